@@ -1,0 +1,87 @@
+"""Segment rollout, UloRL Algorithm 1: the `Sample` record, the unfinished and experience pools, and one
+rollout step over any engine (see engine.py).
+
+A response of up to `max_len` tokens is decoded at most `segment_len` tokens per RL step. A sample that
+hits the segment cap waits in the unfinished pool and continues at the next step, possibly under newer
+weights; so every token remembers the policy version that sampled it and that policy's (behaviour)
+log-prob. Segment i of a sample is tokens[seg_starts[i]:seg_starts[i+1]].
+
+    unfinished pool --+
+                      +--> batch --> engine: <= segment_len new tokens each --+--> EOS        --> experience
+    new prompts x G --+                                                      +--> global cap --> experience (truncated)
+                                                                             +--> segment cap --> unfinished pool
+"""
+from dataclasses import dataclass, field
+
+from engine import Sampling
+
+
+@dataclass
+class Sample:
+    uid: int  # unique over the run
+    group: int  # unique id of the prompt draw; the G samples of one draw share it
+    prompt_ids: list[int]
+    row: dict  # the dataset row: prompt, answer, verifier
+    tokens: list[int] = field(default_factory=list)  # response so far
+    logprobs: list[float] = field(default_factory=list)  # behaviour log-prob of each response token
+    versions: list[int] = field(default_factory=list)  # policy version that sampled each response token
+    seg_starts: list[int] = field(default_factory=list)  # index in `tokens` where each segment begins
+    finish: str | None = None  # None while unfinished, then "eos" or "truncated"
+    reward: float | None = None
+
+    def segment_versions(self) -> list[int]:
+        return [self.versions[s] for s in self.seg_starts if s < len(self.versions)]
+
+
+@dataclass
+class Pools:
+    unfinished: list[Sample] = field(default_factory=list)
+    finished: dict[int, list[Sample]] = field(default_factory=dict)  # experience pool: group -> finished members
+    next_uid: int = 0
+    next_group: int = 0
+
+    def new_group(self, prompt_ids: list[int], row: dict, size: int) -> list[Sample]:
+        group, self.next_group = self.next_group, self.next_group + 1
+        samples = [Sample(self.next_uid + i, group, prompt_ids, row) for i in range(size)]
+        self.next_uid += size
+        return samples
+
+    def ready_groups(self, size: int) -> list[list[Sample]]:
+        """Complete groups (all `size` members finished), oldest first: only these can be scored as groups."""
+        return [g for _, g in sorted(self.finished.items()) if len(g) == size]
+
+    def pop_group(self, group: int) -> list[Sample]:
+        return self.finished.pop(group)
+
+    def in_flight_groups(self) -> int:
+        return len({s.group for s in self.unfinished} | set(self.finished))
+
+
+def rollout_step(engine, pools: Pools, new_groups: list[list[Sample]], segment_len: int, max_len: int,
+                 sampling: Sampling, version: int) -> dict:
+    """Decode at most one segment for every unfinished sample and every new sample, then sort each one into
+    the experience pool (EOS or global cap) or back into the unfinished pool (segment cap)."""
+    batch = pools.unfinished + [s for g in new_groups for s in g]
+    pools.unfinished = []
+    budgets = [min(segment_len, max_len - len(s.tokens)) for s in batch]
+    gens = engine.generate([s.prompt_ids + s.tokens for s in batch], budgets, sampling)
+    n_eos = n_trunc = 0
+    for s, g, budget in zip(batch, gens, budgets):
+        s.seg_starts.append(len(s.tokens))
+        s.tokens += g.tokens
+        s.logprobs += g.logprobs
+        s.versions += [version] * len(g.tokens)
+        if g.finish == "stop":
+            s.finish, n_eos = "eos", n_eos + 1
+        elif len(s.tokens) >= max_len:
+            s.finish, n_trunc = "truncated", n_trunc + 1
+        elif len(g.tokens) < budget:
+            raise RuntimeError(f"engine returned {len(g.tokens)} tokens with finish='length' but the segment "
+                               f"allowed more: is max_model_len too small for prompt + response?")
+        if s.finish is None:
+            pools.unfinished.append(s)
+        else:
+            pools.finished.setdefault(s.group, []).append(s)
+    return {"rollout/batch": len(batch), "rollout/new_samples": sum(map(len, new_groups)),
+            "rollout/eos": n_eos, "rollout/truncated": n_trunc, "rollout/unfinished": len(pools.unfinished),
+            "tokens/generated": sum(len(g.tokens) for g in gens)}

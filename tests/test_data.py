@@ -1,0 +1,212 @@
+"""data.py: loading rows from every source it takes (all offline, from files written here), the errors bad
+input raises (each naming the source, row and field), chat templating, and the training draw order.
+
+    python -m pytest tests/test_data.py -q
+"""
+import json
+import os
+import re
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import processors
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data  # noqa: E402
+import tiny  # noqa: E402
+
+ROWS = tiny.make_rows(6, seed=0)  # {"prompt": "3+4=", "answer": "7", "verifier": "tiny"}
+EXPECT = [{k: r[k] for k in ("prompt", "answer", "verifier")} for r in ROWS]
+
+
+def strip_where(rows):
+    return [{k: r[k] for k in ("prompt", "answer", "verifier")} for r in rows]
+
+
+def write_jsonl(path, objs):
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+    return str(path)
+
+
+def verl_table():
+    """The verl/DAPO parquet layout: chat-message prompt, the answer nested under reward_model."""
+    return pa.Table.from_pylist([
+        {"data_source": "dapo", "prompt": [{"role": "user", "content": r["prompt"]}],
+         "reward_model": {"style": "rule", "ground_truth": int(r["answer"])}} for r in ROWS])
+
+
+# ---- round trips
+
+def test_jsonl_round_trip_with_line_numbers(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    lines = [json.dumps(r) for r in ROWS]
+    path.write_text("\n".join(lines[:2] + ["", "   "] + lines[2:]) + "\n")  # blank lines 3 and 4 are skipped
+    rows = data.load_rows(str(path))
+    assert strip_where(rows) == EXPECT
+    assert [r["where"] for r in rows] == [f"{path}:{n}" for n in (1, 2, 5, 6, 7, 8)]
+
+
+def test_json_round_trip(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(ROWS))
+    rows = data.load_rows(str(path))
+    assert strip_where(rows) == EXPECT
+    assert rows[3]["where"] == f"{path}:3"
+
+
+def test_parquet_verl_layout_with_dotted_keys(tmp_path):
+    path = str(tmp_path / "train.parquet")
+    pq.write_table(verl_table(), path)
+    rows = data.load_rows(path, answer_key="reward_model.ground_truth", verifier_key="data_source")
+    assert [r["prompt"] for r in rows] == [[{"role": "user", "content": r["prompt"]}] for r in ROWS]
+    assert [r["answer"] for r in rows] == [r["answer"] for r in ROWS]  # ints came back as strings
+    assert {r["verifier"] for r in rows} == {"dapo"}
+    assert rows[-1]["where"] == f"{path}:5"
+
+
+def test_save_to_disk_dataset_and_dataset_dict(tmp_path):
+    import datasets
+    ds = datasets.Dataset.from_list(ROWS)
+    ds.save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict({"train": ds.select(range(2)), "test": ds}).save_to_disk(str(tmp_path / "dict"))
+    assert strip_where(data.load_rows(str(tmp_path / "one"))) == EXPECT
+    assert strip_where(data.load_rows(str(tmp_path / "dict"))) == EXPECT[:2]  # split defaults to train
+    rows = data.load_rows(str(tmp_path / "dict"), split="test", limit=4)
+    assert strip_where(rows) == EXPECT[:4]
+    assert rows[1]["where"] == f"{tmp_path / 'dict'}[test]:1"
+    with pytest.raises(ValueError, match=r"has splits \['train', 'test'\], not 'valid'"):
+        data.load_rows(str(tmp_path / "dict"), split="valid")
+
+
+def test_local_data_directory_via_load_dataset(tmp_path):
+    (tmp_path / "d").mkdir()
+    pq.write_table(verl_table(), str(tmp_path / "d" / "train.parquet"))
+    rows = data.load_rows(str(tmp_path / "d"), answer_key="reward_model.ground_truth")
+    assert [r["answer"] for r in rows] == [r["answer"] for r in ROWS]
+    assert rows[0]["prompt"] == [{"role": "user", "content": ROWS[0]["prompt"]}]
+    assert rows[0]["verifier"] == "math" and rows[0]["where"] == f"{tmp_path / 'd'}[train]:0"
+
+
+def test_verifier_column_default_and_limit(tmp_path):
+    objs = [{"q": "1+1=", "a": 2, "v": "tiny"}, {"q": "2+2=", "a": 4.5}, {"q": "3+3=", "a": "6", "v": None}]
+    path = write_jsonl(tmp_path / "v.jsonl", objs)
+    rows = data.load_rows(path, prompt_key="q", answer_key="a", verifier_key="v", default_verifier="code")
+    assert [(r["answer"], r["verifier"]) for r in rows] == [("2", "tiny"), ("4.5", "code"), ("6", "code")]
+    assert len(data.load_rows(path, prompt_key="q", answer_key="a", limit=2)) == 2
+
+
+# ---- errors: each names the source, the row and the field
+
+def test_missing_field_names_row_field_and_keys(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", [ROWS[0], {"question": "1+1=", "answer": "2"}])
+    with pytest.raises(ValueError) as e:
+        data.load_rows(path)
+    msg = str(e.value)
+    assert f"{path}:2" in msg and "'prompt'" in msg and "['answer', 'question']" in msg and "--prompt-key" in msg
+    pq.write_table(verl_table(), str(tmp_path / "v.parquet"))
+    with pytest.raises(ValueError, match=r"v\.parquet:0: no field 'reward_model\.answer' .*'reward_model' has keys"
+                                         r" \['ground_truth', 'style'\]"):
+        data.load_rows(str(tmp_path / "v.parquet"), answer_key="reward_model.answer")
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"prompt": None, "answer": "1"}, "prompt"), ({"prompt": "", "answer": "1"}, "prompt"),
+    ({"prompt": [], "answer": "1"}, "prompt"), ({"prompt": "1=", "answer": None}, "answer"),
+    ({"prompt": [{"role": "user"}], "answer": "1"}, "prompt"), ({"prompt": ["1+1="], "answer": "1"}, "prompt"),
+    ({"prompt": "1=", "answer": [1, 2]}, "answer"), ({"prompt": "1=", "answer": "1", "verifier": 3}, "verifier"),
+])
+def test_bad_values_name_row_and_field(tmp_path, bad, field):
+    path = write_jsonl(tmp_path / "b.jsonl", ROWS[:2] + [bad])
+    with pytest.raises(ValueError, match=rf"b\.jsonl:3: .*field '{field}'"):
+        data.load_rows(path)
+
+
+def test_invalid_json_and_utf8_lines_name_their_line(tmp_path):
+    path = tmp_path / "j.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n\n" + '{"prompt": "1+1=", "answer": \n')
+    with pytest.raises(ValueError, match=re.escape(f"{path}:3: line 3 is not valid JSON")):
+        data.load_rows(str(path))
+    path.write_bytes(json.dumps(ROWS[0]).encode() + b'\n{"prompt": "1\xff", "answer": "1"}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: line 2 is not valid UTF-8")):
+        data.load_rows(str(path))
+
+
+def test_empty_sources_and_missing_files(tmp_path):
+    (tmp_path / "e.jsonl").write_text("\n  \n")
+    (tmp_path / "e.json").write_text("[]")
+    for name in ("e.jsonl", "e.json"):
+        with pytest.raises(ValueError, match=re.escape(f"{tmp_path / name}: has no rows")):
+            data.load_rows(str(tmp_path / name))
+    (tmp_path / "d.json").write_text('{"prompt": "1=", "answer": "1"}')
+    with pytest.raises(ValueError, match="expected a list of row objects"):
+        data.load_rows(str(tmp_path / "d.json"))
+    for name in ("nope.jsonl", "nope.parquet", "nope_dir"):
+        with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / name))):
+            data.load_rows(str(tmp_path / name))
+
+
+# ---- chat templating
+
+@pytest.fixture
+def role_tokenizer():
+    """The tiny tokenizer plus role tokens, a template with roles, and a BOS its post-processor adds (the
+    double-BOS pitfall: the template writes one, so tokenizing the rendered text must not add another)."""
+    tok = tiny.make_tokenizer()
+    tok.add_tokens(["<bos>", "<|user|>", "<|system|>", "<|assistant|>"], special_tokens=True)
+    tok.bos_token = "<bos>"
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return tok
+
+
+def test_encode_prompt_tiny_is_the_bare_prompt():
+    tok = tiny.make_tokenizer()
+    for r in ROWS:
+        assert data.encode_prompt(tok, r["prompt"]) == tok(r["prompt"]).input_ids
+    assert data.encode_prompt(tok, [{"role": "user", "content": "3+4="}]) == tok("3+4=").input_ids
+
+
+def test_encode_prompt_role_template(role_tokenizer):
+    tok = role_tokenizer
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<bos>", "<|user|>", "<|system|>", "<|assistant|>")}
+    chars = tok("3+4=", add_special_tokens=False).input_ids
+    assert chars == [tok.convert_tokens_to_ids(c) for c in "3+4="]
+    assert data.encode_prompt(tok, "3+4=") == [ids["<bos>"], ids["<|user|>"], *chars, ids["<|assistant|>"]]
+    messages = [{"role": "system", "content": "9"}, {"role": "user", "content": "3+4="}]
+    text = "<bos><|system|>9<|user|>3+4=<|assistant|>"  # rendered by hand
+    assert data.encode_prompt(tok, messages) == tok(text, add_special_tokens=False).input_ids
+    assert data.encode_prompt(tok, messages).count(ids["<bos>"]) == 1
+
+
+def test_encode_prompt_without_template(role_tokenizer):
+    tok = role_tokenizer
+    tok.chat_template = None
+    assert data.encode_prompt(tok, "3+4=") == [tok.bos_token_id] + tok("3+4=", add_special_tokens=False).input_ids
+    with pytest.raises(ValueError, match="no chat template"):
+        data.encode_prompt(tok, [{"role": "user", "content": "3+4="}])
+
+
+# ---- draw order
+
+def test_draw_order_permutes_each_epoch_and_resumes():
+    n, seed = 7, 3
+    stream = data.draw_order(n, seed, 0, 5 * n + 3)
+    for e in range(5):
+        assert sorted(stream[e * n:(e + 1) * n]) == list(range(n))
+    assert len({tuple(stream[e * n:(e + 1) * n]) for e in range(5)}) > 1  # reshuffled, not repeated
+    assert data.draw_order(n, seed, 0, 10) + data.draw_order(n, seed, 10, 5) == stream[:15]
+    assert data.draw_order(n, seed, 12, 20) == stream[12:32]  # a resume that starts mid-epoch
+    assert data.draw_order(n, seed, 0, 0) == []
+    data.epoch_order.cache_clear()  # deterministic from its arguments alone, not from the cache
+    assert data.draw_order(n, seed, 0, 5 * n + 3) == stream
+
+
+def test_draw_order_seeds_differ_and_edge_cases():
+    assert data.draw_order(50, 0, 0, 50) != data.draw_order(50, 1, 0, 50)
+    assert data.draw_order(1, 0, 5, 3) == [0, 0, 0]
+    with pytest.raises(AssertionError):
+        data.draw_order(0, 0, 0, 1)

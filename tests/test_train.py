@@ -1,0 +1,97 @@
+"""The real entry point as a subprocess with a tiny budget: the metrics.jsonl / samples.jsonl / checkpoint
+contracts of DESIGN.md, the CLI flags, and clear errors on bad data.
+
+    python -m pytest tests/test_train.py -q
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONTRACT_FLAGS = ["--model", "--data", "--steps", "--out", "--resume", "--seed", "--preset", "--engine", "--segments",
+                  "--max-response-len", "--is-mode", "--mpt-tau", "--mpt-sigma", "--kl-coef", "--ref-reset-every",
+                  "--rollout-gpus", "--save-every", "--eval-every"]
+METRIC_KEYS = ["step", "time/step_s", "reward/mean", "entropy/mean", "mpt/masked_frac", "rollout/unfinished",
+               "tokens/generated"]
+
+
+def run_train(*args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # tests may run beside each other on 2 cores
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    # 4 segments of 8 tokens: many samples need more than one step, so the unfinished pool is exercised;
+    # kl-coef and ref-reset-every exercise the reference model and its reset.
+    p = run_train("--steps", "3", "--out", str(out), "--eval-n", "32", "--eval-every", "2", "--train-groups", "4",
+                  "--prompts-per-step", "8", "--max-response-len", "32", "--segments", "4", "--kl-coef", "0.01",
+                  "--ref-reset-every", "2", "--save-every", "2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out, p
+
+
+def records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_help_lists_contract_flags():
+    p = run_train("--help", timeout=60)
+    assert p.returncode == 0
+    for flag in CONTRACT_FLAGS:
+        assert flag in p.stdout, flag
+
+
+def test_metrics_contract(short_run):
+    out, p = short_run
+    recs = records(out / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    assert 0 <= recs[0]["eval/accuracy"] <= 1 and "config" in recs[0]  # before any update
+    for r in recs[1:]:
+        for k in METRIC_KEYS:
+            assert isinstance(r[k], (int, float)), (r["step"], k)
+        assert r["tokens/generated"] > 0 or r["rollout/rounds"] == 0
+    assert "eval/accuracy" in recs[2] and "eval/accuracy" in recs[3] and "eval/accuracy" not in recs[1]
+    assert recs[2]["train/ref_reset"] == 1
+    assert "eval accuracy" in p.stdout and "step     3" in p.stdout
+
+
+def test_samples_contract(short_run):
+    out, _ = short_run
+    samples = records(out / "samples.jsonl")
+    assert {s["step"] for s in samples} == {1, 2, 3}
+    for s in samples:
+        assert set(s) >= {"step", "group", "prompt", "response", "n_tokens", "versions", "finish", "reward"}
+        assert s["finish"] in ("eos", "truncated")
+        assert 1 <= len(s["versions"]) <= 4 and s["versions"] == sorted(s["versions"])
+        assert s["versions"][-1] <= s["step"] - 1  # sampled by a policy older than this step's update
+        if s["finish"] == "truncated":
+            assert s["n_tokens"] == 32 and s["reward"] == 0
+    by_group = {}
+    for s in samples:
+        by_group.setdefault((s["step"], s["group"]), []).append(s)
+    assert all(len(g) == 8 for g in by_group.values())  # whole groups train
+    assert any(len(s["versions"]) > 1 for s in samples), "no sample spanned several segments"
+
+
+def test_checkpoint_loads_with_transformers(short_run):
+    from transformers import AutoModelForCausalLM
+    out, _ = short_run
+    assert sorted(os.listdir(out)) == ["metrics.jsonl", "samples.jsonl", "step_000002", "step_000003"]
+    model = AutoModelForCausalLM.from_pretrained(out / "step_000003")
+    assert model.config.model_type == "qwen3"
+    assert os.path.exists(out / "step_000003" / "reference" / "model.safetensors")
+
+
+def test_bad_dataset_row_names_file_row_and_field(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    p = run_train("--data", str(bad), "--eval-data", "", "--steps", "1", "--out", str(tmp_path / "o"), timeout=120)
+    assert p.returncode != 0
+    assert f"{bad}:2" in p.stderr and "answer" in p.stderr

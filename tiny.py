@@ -1,0 +1,144 @@
+"""The embedded default: a tiny Qwen3 model, its character tokenizer, a synthetic reasoning task, and the
+script that makes the warm-start checkpoint shipped in `tiny_ckpt/`.
+
+The task: add 2-16 one-digit numbers, writing the running sums first, then the answer after ':'
+
+    prompt  "3+4+5="        response  "7,12:12<eos>"        answer "12"
+
+The number of terms k is drawn with P(k) ~ k^-1.5, so most responses are short (k=2: 4 tokens) and a few
+run to ~50 tokens: the long tail that makes segment rollout worth it (UloRL section 3.1).
+
+The warm start imitates a *sloppy teacher*: each running sum is off by one with probability `SLIP` (0.2),
+and the teacher carries on from the wrong value. Trained on that, the model has learned to add but also to
+slip, so sampling at temperature 1 gets roughly half the problems right; RL with the {0,1} answer reward
+must teach it to stop slipping. This is the smallest honest stand-in for what RL does to a real model
+(sharpening what it can already do), and it makes a visible gain in minutes on a CPU.
+
+    python tiny.py                       # rebuild tiny_ckpt/ (deterministic on a given machine, ~8 min on 2 cores)
+    python tiny.py --steps 300 --out /tmp/t  # a quick, weaker one
+"""
+import argparse
+import math
+import random
+import time
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+CHARS = "0123456789+=,:"
+SPECIAL = ["<pad>", "<eos>", "<unk>"]
+MIN_TERMS, MAX_TERMS, TAIL = 2, 16, 1.5  # P(k) ~ k^-TAIL for k in [MIN_TERMS, MAX_TERMS]
+SLIP = 0.2  # the warm-start teacher's chance of an off-by-one running sum
+CKPT = "tiny_ckpt"  # the shipped warm start, relative to the repo root
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character; the chat template is the bare prompt (the task needs no roles)."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + list(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # join characters without spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                        unk_token="<unk>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tokenizer
+
+
+def make_model(tokenizer, seed: int = 0) -> Qwen3ForCausalLM:
+    """~0.8M parameters. head_dim 32 because vLLM's CPU attention needs >= 32; tied embeddings like the
+    small Qwen3 models (which exercises the tied-lm_head path of the weight sync)."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32")
+    return Qwen3ForCausalLM(config)
+
+
+def draw_terms(rng: random.Random) -> list[int]:
+    ks = list(range(MIN_TERMS, MAX_TERMS + 1))
+    k = rng.choices(ks, weights=[kk ** -TAIL for kk in ks])[0]
+    return [rng.randint(1, 9) for _ in range(k)]
+
+
+def teacher_response(terms: list[int], rng: random.Random, slip: float = 0.0) -> str:
+    """Running sums, then ':' and the final sum. With `slip` > 0 each sum may be off by one, and the
+    teacher carries on from what it wrote (so one slip makes the answer wrong)."""
+    sums, s = [], terms[0]
+    for t in terms[1:]:
+        s += t
+        if rng.random() < slip:
+            s += rng.choice([-1, 1])
+        sums.append(s)
+    return ",".join(map(str, sums)) + ":" + str(s)
+
+
+def make_rows(n: int, seed: int) -> list[dict]:
+    """n problems as dataset rows (the same shape data.py loads from files)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        terms = draw_terms(rng)
+        rows.append({"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms)),
+                     "verifier": "tiny"})
+    return rows
+
+
+def pretrain(out: str, steps: int, batch: int, lr: float, seed: int) -> None:
+    """Supervised warm start on the sloppy teacher: next-token loss on response tokens only."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    t0, queue = time.time(), []
+    for step in range(steps):
+        if not queue:  # draw 8 batches at once and group them by length: the long tail makes padding costly
+            pool = []
+            for _ in range(8 * batch):
+                terms = draw_terms(rng)
+                prompt = tokenizer("+".join(map(str, terms)) + "=").input_ids
+                response = tokenizer(teacher_response(terms, rng, SLIP)).input_ids + [eos]
+                pool.append((prompt + response, len(prompt)))
+            pool.sort(key=lambda x: len(x[0]))
+            queue = [pool[i:i + batch] for i in range(0, len(pool), batch)]
+            random.Random(seed + step).shuffle(queue)
+        seqs, n_prompt = zip(*queue.pop())
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), pad)
+        labels = torch.full((len(seqs), width), -100)
+        for i, (s, p) in enumerate(zip(seqs, n_prompt)):
+            ids[i, :len(s)] = torch.tensor(s)
+            labels[i, p:len(s)] = torch.tensor(s[p:])
+        # linear warm-up for 5% of the steps, then cosine decay to 10%
+        frac = step / steps
+        scale = min(1.0, frac / 0.05) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr * scale
+        loss = model(input_ids=ids, labels=labels).loss  # right padding: pads sit after every label
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"step {step:5d} | loss {loss.item():.4f} | lr {lr * scale:.2e} | {time.time() - t0:.0f}s",
+                  flush=True)
+        if step % 500 == 499:  # a usable checkpoint even if the run is cut short
+            model.save_pretrained(out)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=CKPT, help="where to write the checkpoint")
+    p.add_argument("--steps", type=int, default=3000, help="optimizer steps of supervised training")
+    p.add_argument("--batch", type=int, default=128, help="sequences per step")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the model init and the data")
+    args = p.parse_args()
+    pretrain(args.out, args.steps, args.batch, args.lr, args.seed)

@@ -1,0 +1,471 @@
+"""ulorl's entry point: RL with verifiable rewards on ultra-long outputs (UloRL + ProRL's KL control).
+
+    python train.py                                   # tiny built-in model + task, CPU, a few minutes
+    python train.py --preset ulorl --model Qwen/Qwen3-4B --data dapo.parquet --out runs/q4b
+    python train.py --help                            # every knob, with the paper it comes from
+
+One step, in paper order (ulorl.py maps every paper component to its function):
+  1-4. rollout: unfinished samples + new prompts x G decode at most one segment; finished samples are
+       rewarded; complete groups that are not all-equal wait for training (dynamic sampling); repeat
+       until `--train-groups` of them are ready
+  5.   old log-probs (POIS recomputes them), reference log-probs (KL), entropy and the DMMPT mask
+  6.   update: clipped token-level loss, one global token count per optimizer step
+  7.   sync the new weights to the engine
+  8.   log one line + metrics.jsonl; evaluate; checkpoint
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+import data
+import model as model_lib
+import reward
+import tiny
+import ulorl
+from engine import Sampling, make_engine
+from loss import mpt_mask, policy_loss
+from segment_rollout import Pools, Sample, rollout_step
+
+
+def flag(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    # run
+    preset: str = flag("tiny", "tiny (built-in default), ulorl or prorl: the papers' settings (SPEC section 6)")
+    model: str = flag(tiny.CKPT, "hub name or local HF directory of the policy")
+    data: str = flag("tiny", "training prompts: 'tiny', a .jsonl/.json/.parquet file, a saved dataset or a hub name")
+    eval_data: str = flag("tiny", "held-out prompts for --eval-every (same formats as --data); '' = none")
+    prompt_key: str = flag("prompt", "column holding the prompt (dotted paths reach nested columns)")
+    answer_key: str = flag("answer", "column holding the reference answer")
+    steps: int = flag(200, "training steps (one update phase each)")
+    out: str = flag("runs/tiny", "output directory: metrics.jsonl, samples.jsonl, step_NNNNNN/ checkpoints")
+    resume: str = flag("", "checkpoint directory to continue from, or 'auto' for the newest in --out")
+    seed: int = flag(0, "seed for data order, sampling and init")
+    engine: str = flag("auto", "rollout engine: hf (transformers), vllm, or auto (vllm when installed)")
+    dtype: str = flag("float32", "float32, bfloat16 or float16 for the trainer's weights")
+    device: str = flag("cpu", "torch device of the trainer")
+    rollout_gpus: str = flag("", "GPUs for the rollout engine, e.g. '6,7' (empty: colocated with training)")
+    # rollout (UloRL 3.1)
+    group_size: int = flag(8, "G responses per prompt (UloRL 8, ProRL 16)")
+    prompts_per_step: int = flag(16, "rollout batch in prompts: unfinished samples + new groups fill "
+                                     "prompts_per_step x G slots (UloRL 128, ProRL 256)")
+    segments: int = flag(4, "segments per response: each step decodes at most max_response_len / segments "
+                            "new tokens per sample (UloRL 8 x 16k)")
+    max_response_len: int = flag(64, "global cap on response tokens; reaching it truncates (UloRL 128k)")
+    max_prompt_len: int = flag(256, "longer prompts are skipped (and counted)")
+    temperature: float = flag(1.0, "sampling temperature (UloRL 0.85, ProRL 1.2)")
+    top_p: float = flag(1.0, "nucleus sampling for rollouts (both papers 1.0)")
+    top_k: int = flag(-1, "top-k for rollouts, -1 = off (both papers)")
+    # batch and optimizer
+    train_groups: int = flag(16, "train once this many informative complete groups are ready")
+    mini_batch: int = flag(0, "samples per optimizer step; 0 = the whole batch, one update per step "
+                              "(UloRL 1024 = 128 x 8; ProRL 64 prompts x 16)")
+    max_tokens_per_micro_batch: int = flag(16384, "padded tokens per forward/backward micro-batch")
+    lr: float = flag(1e-4, "AdamW learning rate, constant after warm-up (UloRL 1e-6, ProRL 2e-6)")
+    warmup_steps: int = flag(0, "linear learning-rate warm-up")
+    weight_decay: float = flag(0.0, "AdamW weight decay")
+    grad_clip: float = flag(1.0, "max gradient norm")
+    # loss (SPEC sections 1 and 4)
+    eps_low: float = flag(0.2, "lower clip range: ratio >= 1 - eps_low (both papers 0.2)")
+    eps_high: float = flag(0.2, "upper clip range: ratio <= 1 + eps_high (UloRL 0.2, ProRL 0.4)")
+    agg: str = flag("token", "token: DAPO's token-level mean; sample: GRPO's per-response mean")
+    is_mode: str = flag("pois", "importance sampling under segment rollout: tois, sais or pois (UloRL 3.1)")
+    mpt: str = flag("dynamic", "masking of well-mastered positive tokens: dynamic (DMMPTs), static, off")
+    mpt_tau: float = flag(0.99, "probability at which a positive sample's token counts as mastered (UloRL)")
+    mpt_sigma: float = flag(0.2, "target entropy: mask MPTs only while a sample's mean entropy is below it (UloRL)")
+    dynamic_sampling: bool = flag(True, "drop groups whose rewards are all equal (DAPO, both papers)")
+    kl_coef: float = flag(0.0, "k3 KL penalty to a reference policy (UloRL 0, ProRL 1e-4)")
+    ref_reset_every: int = flag(0, "every N steps reset the reference to the policy AND the optimizer "
+                                   "state (ProRL); 0 = never")
+    # reward (SPEC section 5)
+    overlong: str = flag("zero", "truncated samples: zero (UloRL), soft (DAPO punishment), filter (no loss), none")
+    overlong_buffer: int = flag(0, "soft punishment ramps over the last N tokens before the cap")
+    reward_timeout: float = flag(5.0, "seconds per reward check; a check that takes longer scores 0")
+    # evaluation, logging, checkpoints
+    eval_every: int = flag(50, "evaluate on --eval-data every N steps (also before step 1 and after the last)")
+    eval_n: int = flag(512, "held-out prompts per evaluation (one sample each)")
+    save_every: int = flag(0, "checkpoint every N steps (0: only at the end)")
+    dump_samples: int = flag(256, "samples.jsonl records per step (0: none)")
+
+
+PRESETS = {
+    "tiny": {},
+    "ulorl": dict(model="Qwen/Qwen3-30B-A3B", dtype="bfloat16", device="cuda", group_size=8, prompts_per_step=128,
+                  segments=8, max_response_len=131072, max_prompt_len=2048, temperature=0.85, train_groups=128,
+                  mini_batch=1024, lr=1e-6, eps_low=0.2, eps_high=0.2, is_mode="pois", mpt="dynamic",
+                  mpt_tau=0.99, mpt_sigma=0.2, kl_coef=0.0, overlong="zero", max_tokens_per_micro_batch=65536,
+                  eval_every=10, eval_n=30, save_every=10, dump_samples=16, data="", eval_data=""),
+    "prorl": dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", dtype="bfloat16", device="cuda",
+                  group_size=16, prompts_per_step=256, segments=1, max_response_len=8192, max_prompt_len=2048,
+                  temperature=1.2, train_groups=256, mini_batch=1024, lr=2e-6, eps_low=0.2, eps_high=0.4,
+                  mpt="off", kl_coef=1e-4, ref_reset_every=500, overlong="zero",
+                  max_tokens_per_micro_batch=32768, eval_every=50, eval_n=256, save_every=50,
+                  dump_samples=16, data="", eval_data=""),
+}
+
+
+def parse_config(argv=None) -> Config:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(Config):
+        kind = {bool: lambda s: s.lower() in ("1", "true", "yes")}.get(f.type, f.type)
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"])
+    args = p.parse_args(argv)
+    if args.preset not in PRESETS:
+        p.error(f"--preset {args.preset}: choose from {', '.join(PRESETS)}")
+    p.set_defaults(**PRESETS[args.preset])  # preset values, then whatever the command line says
+    cfg = Config(**vars(p.parse_args(argv)))
+    if cfg.max_response_len % cfg.segments:
+        p.error(f"--max-response-len {cfg.max_response_len} must be a multiple of --segments {cfg.segments}")
+    if cfg.rollout_gpus and not torch.cuda.is_available():
+        p.error("--rollout-gpus needs CUDA GPUs; on CPU the engine runs in-process")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+def load_prompts(source: str, cfg: Config, eval_set: bool = False) -> list[dict]:
+    if source == "tiny":  # the built-in task: a fixed training draw and a separate held-out draw
+        return tiny.make_rows(cfg.eval_n, seed=10_000 + cfg.seed) if eval_set else tiny.make_rows(100_000, cfg.seed)
+    rows = data.load_rows(source, cfg.prompt_key, cfg.answer_key, split="test" if eval_set else "train")
+    return rows[:cfg.eval_n] if eval_set else rows
+
+
+def draw_groups(rows, state, n_groups, tokenizer, pools: Pools, cfg: Config, metrics: dict) -> list[list[Sample]]:
+    """The next n_groups prompts of the endless shuffled stream (data.draw_order), each as G samples."""
+    groups = []
+    while len(groups) < n_groups:
+        row = rows[data.draw_order(len(rows), cfg.seed, state["cursor"], 1)[0]]
+        state["cursor"] += 1
+        ids = data.encode_prompt(tokenizer, row["prompt"])
+        if len(ids) > cfg.max_prompt_len:
+            metrics["data/skipped_long_prompts"] = metrics.get("data/skipped_long_prompts", 0) + 1
+            continue
+        groups.append(pools.new_group(ids, row, cfg.group_size))
+    return groups
+
+
+def score(samples: list[Sample], tokenizer, cfg: Config) -> dict:
+    """Reward every sample: the verifier's score, then the overlong rule for truncated samples."""
+    texts = tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
+    items = [(s.row["verifier"], t, s.row["answer"]) for s, t in zip(samples, texts)]
+    rewards, metrics = reward.score_batch(items, timeout=cfg.reward_timeout)
+    for s, r in zip(samples, rewards):
+        s.reward = reward.overlong_reward(r, len(s.tokens), s.finish == "truncated", cfg.max_response_len,
+                                          "none" if cfg.overlong == "filter" else cfg.overlong, cfg.overlong_buffer)
+    return metrics
+
+
+@torch.no_grad()
+def evaluate(engine, tokenizer, rows: list[dict], cfg: Config) -> dict:
+    """avg@1 on the held-out prompts, sampled like the training rollouts, in one segment of the full length."""
+    samples = [Sample(i, i, data.encode_prompt(tokenizer, r["prompt"]), r) for i, r in enumerate(rows)]
+    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+    for i in tqdm(range(0, len(samples), 256), desc="eval", leave=False, disable=len(samples) <= 256):
+        chunk = samples[i:i + 256]
+        gens = engine.generate([s.prompt_ids for s in chunk], [cfg.max_response_len] * len(chunk), sampling)
+        for s, g in zip(chunk, gens):
+            s.tokens, s.finish = g.tokens, "eos" if g.finish == "stop" else "truncated"
+    metrics = score(samples, tokenizer, cfg)
+    return {"eval/accuracy": sum(s.reward > 0 for s in samples) / len(samples),
+            "eval/reward": sum(s.reward for s in samples) / len(samples),
+            "eval/mean_length": sum(len(s.tokens) for s in samples) / len(samples),
+            "eval/truncation_rate": sum(s.finish == "truncated" for s in samples) / len(samples),
+            "eval/reward_timeouts": metrics["reward/timeouts"]}
+
+
+# ------------------------------------------------------------------------------------------- update
+
+def train_on(policy, ref, opt, sched, groups: list[list[Sample]], version: int, pad_id: int, cfg: Config) -> dict:
+    """Steps 5-6 on a batch of complete, informative groups. Returns metrics."""
+    samples = [s for g in groups for s in g]
+    adv = ulorl.sample_advantages(groups)  # [n_samples]
+    # mini-batches are optimizer steps (whole groups, in order); micro-batches are forward/backward calls
+    per_mini = len(samples) if cfg.mini_batch <= 0 else cfg.mini_batch
+    minis = []
+    for lo in range(0, len(samples), per_mini):
+        idx = list(range(lo, min(lo + per_mini, len(samples))))
+        mbs = ulorl.micro_batches([samples[i] for i in idx], cfg.max_tokens_per_micro_batch)
+        minis.append([[idx[j] for j in mb] for mb in mbs])
+
+    # 5. one no-grad pass with the weights that will be updated: current log-probs (pi_old under POIS, and
+    # the gap to the engine's behaviour log-probs), entropy for DMMPTs, reference log-probs for the KL
+    batches, stats = [], {"entropy": 0.0, "tokens": 0, "kept": 0, "diff_max": 0.0, "diff_sum": 0.0, "diff_n": 0}
+    with torch.no_grad():
+        for mini in minis:
+            mbs = []
+            for idx in mini:
+                mb = ulorl.collate([samples[i] for i in idx], pad_id, cfg.device)
+                mb["adv"] = adv[idx].to(cfg.device)
+                cur, entropy = model_lib.response_logprobs(policy, mb, cfg.temperature)
+                mb["old"] = ulorl.old_logprobs(cfg.is_mode, cur, mb["behaviour"])
+                if ref is not None:
+                    mb["ref"] = model_lib.response_logprobs(ref, mb, cfg.temperature)[0]
+                keep = mb["resp_mask"].clone()
+                if cfg.mpt != "off":
+                    sigma = cfg.mpt_sigma if cfg.mpt == "dynamic" else math.inf
+                    keep &= mpt_mask(cur, entropy, mb["rewards"], mb["resp_mask"], cfg.mpt_tau, sigma)
+                if cfg.overlong == "filter":
+                    keep &= ~mb["truncated"][:, None]
+                mb["keep"] = keep
+                mbs.append(mb)
+                fresh = mb["versions"] == version  # tokens sampled by exactly these weights
+                gap = (cur - mb["behaviour"]).abs()[fresh]
+                stats["entropy"] += entropy[mb["resp_mask"]].sum().item()
+                stats["tokens"] += int(mb["resp_mask"].sum())
+                stats["kept"] += int(keep.sum())
+                if gap.numel():
+                    stats["diff_max"] = max(stats["diff_max"], gap.max().item())
+                    stats["diff_sum"] += gap.sum().item()
+                    stats["diff_n"] += gap.numel()
+            batches.append(mbs)
+
+    # 6. update: each mini-batch is one optimizer step
+    policy.train()
+    totals: dict = {}
+    for mbs in batches:
+        # The one place that decides what the loss averages over: the kept response tokens (after DMMPTs and
+        # overlong filtering) of *all* micro-batches of this optimizer step (samples, for agg="sample").
+        denom = sum(mb["keep"].sum() for mb in mbs) if cfg.agg == "token" else sum((mb["keep"].sum(1) > 0).sum() for mb in mbs)
+        opt.zero_grad(set_to_none=True)
+        for mb in mbs:
+            logprobs, _ = model_lib.response_logprobs(policy, mb, cfg.temperature)
+            loss, m = policy_loss(logprobs, mb["old"], mb["adv"], mb["keep"], cfg.eps_low, cfg.eps_high,
+                                  mb.get("ref"), cfg.kl_coef, cfg.agg, denom)
+            loss.backward()
+            w = int(mb["keep"].sum())
+            totals["ratio_max"] = max(totals.get("ratio_max", 0.0), m.pop("ratio/max"))  # a max, not a mean
+            for k, v in m.items():  # losses already carry the global denominator: they add up
+                totals[k] = totals.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
+            totals["_w"] = totals.get("_w", 0) + w
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+    w, ratio_max = max(totals.pop("_w"), 1), totals.pop("ratio_max")
+    out = {k: (v / len(batches) if k.startswith("loss/") else v / w) for k, v in totals.items()}
+    out["ratio/max"] = ratio_max
+    out.update({"train/samples": len(samples), "train/grad_norm": grad_norm.item(), "train/lr": sched.get_last_lr()[0],
+                "train/optimizer_steps": len(batches), "entropy/mean": stats["entropy"] / max(stats["tokens"], 1),
+                "mpt/masked_frac": 1 - stats["kept"] / max(stats["tokens"], 1),
+                "rollout/logprob_diff_max": stats["diff_max"],
+                "rollout/logprob_diff_mean": stats["diff_sum"] / max(stats["diff_n"], 1)})
+    return out
+
+
+def reset_reference(policy, ref, opt) -> None:
+    """ProRL's reset: the reference becomes the current policy and AdamW forgets its moments."""
+    ref.load_state_dict(policy.state_dict())
+    opt.state.clear()
+
+
+# -------------------------------------------------------------------------------------- checkpoints
+
+def sample_to_dict(s: Sample) -> dict:
+    return dataclasses.asdict(s)
+
+
+def save_checkpoint(path: str, policy, ref, tokenizer, opt, sched, engine, pools: Pools, state: dict, cfg: Config):
+    """Everything a run needs to continue: HF weights (safetensors), optimizer, pools, RNG streams, cursor.
+    Written to a temporary directory and renamed, so a crash never leaves a half-written checkpoint."""
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model_lib.save(policy, tokenizer, tmp)
+    if ref is not None:
+        ref.save_pretrained(os.path.join(tmp, "reference"), safe_serialization=True)
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "engine_rng": engine.rng_state(),
+                "torch_rng": torch.get_rng_state()}, os.path.join(tmp, "trainer_state.pt"))
+    pool_state = {"unfinished": [sample_to_dict(s) for s in pools.unfinished],
+                  "finished": [sample_to_dict(s) for g in pools.finished.values() for s in g],
+                  "ready": [[sample_to_dict(s) for s in g] for g in state["ready"]],
+                  "next_uid": pools.next_uid, "next_group": pools.next_group}
+    with open(os.path.join(tmp, "ulorl_state.json"), "w") as f:
+        json.dump({"config": dataclasses.asdict(cfg), "step": state["step"], "version": state["version"],
+                   "cursor": state["cursor"], "python_rng": random.getstate(), "pools": pool_state}, f)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def find_resume(cfg: Config) -> str | None:
+    if cfg.resume != "auto":
+        return cfg.resume or None
+    ckpts = sorted(d for d in os.listdir(cfg.out) if d.startswith("step_") and not d.endswith(".tmp")) \
+        if os.path.isdir(cfg.out) else []
+    return os.path.join(cfg.out, ckpts[-1]) if ckpts else None
+
+
+def load_checkpoint(path: str, opt, sched, engine, pools: Pools, state: dict) -> None:
+    with open(os.path.join(path, "ulorl_state.json")) as f:
+        saved = json.load(f)
+    trainer = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+    opt.load_state_dict(trainer["optimizer"])
+    sched.load_state_dict(trainer["scheduler"])
+    engine.set_rng_state(trainer["engine_rng"])
+    torch.set_rng_state(trainer["torch_rng"])
+    version, internal, gauss = saved["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+    p = saved["pools"]
+    pools.unfinished = [Sample(**d) for d in p["unfinished"]]
+    for d in p["finished"]:
+        pools.finished.setdefault(d["group"], []).append(Sample(**d))
+    pools.next_uid, pools.next_group = p["next_uid"], p["next_group"]
+    state.update(step=saved["step"], version=saved["version"], cursor=saved["cursor"],
+                 ready=[[Sample(**d) for d in g] for g in p["ready"]])
+
+
+# ----------------------------------------------------------------------------------------- logging
+
+def git_hash() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def log_line(m: dict, cfg: Config, eta_s: float) -> str:
+    acc = f" | eval {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
+    reward = "  -  " if m["reward/mean"] is None else f"{m['reward/mean']:.3f}"
+    return (f"step {m['step']:5d} | reward {reward}{acc} | entropy {m['entropy/mean']:.3f} | "
+            f"masked {m['mpt/masked_frac']:.3f} | unfinished {m['rollout/unfinished']:4d} | "
+            f"tok/s {m['tokens/per_s']:7.0f} | {m['time/step_s']:.2f}s | eta {eta_s / 60:.1f}m")
+
+
+def dump_samples(f, groups: list[list[Sample]], step: int, tokenizer, limit: int) -> None:
+    samples = [s for g in groups for s in g][:limit]
+    texts = tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
+    prompts = tokenizer.batch_decode([s.prompt_ids for s in samples], skip_special_tokens=False)
+    for s, text, prompt in zip(samples, texts, prompts):
+        f.write(json.dumps({"step": step, "group": s.group, "prompt": prompt, "response": text,
+                            "n_tokens": len(s.tokens), "versions": s.segment_versions(), "finish": s.finish,
+                            "reward": s.reward}) + "\n")
+    f.flush()
+
+
+# ------------------------------------------------------------------------------------------- main
+
+def main(cfg: Config) -> None:
+    print(json.dumps(dataclasses.asdict(cfg)), flush=True)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    os.makedirs(cfg.out, exist_ok=True)
+    resume_from = find_resume(cfg)
+    policy, tokenizer = model_lib.load(resume_from or cfg.model, cfg.dtype, cfg.device)
+    ref = None
+    if cfg.kl_coef > 0:
+        ref_path = os.path.join(resume_from, "reference") if resume_from else cfg.model
+        ref = model_lib.load(ref_path, cfg.dtype, cfg.device)[0].eval().requires_grad_(False)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
+    engine = make_engine(cfg.engine, policy, tokenizer, cfg.seed)
+    rows = load_prompts(cfg.data, cfg)
+    eval_rows = load_prompts(cfg.eval_data, cfg, eval_set=True) if cfg.eval_data else []
+    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+    segment_len = cfg.max_response_len // cfg.segments
+    pools, state = Pools(), {"step": 0, "version": 0, "cursor": 0, "ready": []}
+    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+    if resume_from:
+        load_checkpoint(resume_from, opt, sched, engine, pools, state)
+        print(f"resumed from {resume_from} at step {state['step']}", flush=True)
+        with open(metrics_path) as f:  # drop records written after the checkpoint: they are redone now
+            keep = [l for l in f if json.loads(l)["step"] <= state["step"]]
+        with open(metrics_path, "w") as f:
+            f.writelines(keep)
+    else:
+        open(metrics_path, "w").close()
+    metrics_file = open(metrics_path, "a")
+    samples_file = open(os.path.join(cfg.out, "samples.jsonl"), "a" if resume_from else "w")
+
+    def write_record(rec: dict) -> None:
+        metrics_file.write(json.dumps(rec) + "\n")
+        metrics_file.flush()
+
+    if state["step"] == 0 and eval_rows:  # held-out accuracy before any update: step 0
+        t0 = time.time()
+        ev = evaluate(engine, tokenizer, eval_rows, cfg)
+        print(f"step     0 | eval accuracy {ev['eval/accuracy']:.3f} (before training)", flush=True)
+        write_record({"step": 0, "time/step_s": time.time() - t0, "reward/mean": None, "entropy/mean": None,
+                      "mpt/masked_frac": None, "rollout/unfinished": 0, "tokens/generated": 0, **ev,
+                      "git": git_hash(), "config": dataclasses.asdict(cfg)})
+
+    step_times = []
+    while state["step"] < cfg.steps:
+        t0 = time.time()
+        step = state["step"] + 1
+        m: dict = {"reward/timeouts": 0, "reward/errors": 0, "rollout/rounds": 0, "tokens/generated": 0,
+                   "dynamic/dropped_groups": 0, "rollout/unfinished": len(pools.unfinished)}
+        scored = []  # every sample rewarded in this step, for the reward mean before dynamic sampling
+
+        # 1-4. rollout until enough informative complete groups are ready
+        t_roll = time.time()
+        while m["rollout/rounds"] == 0 or len(state["ready"]) < cfg.train_groups:  # at least one round a step
+            free = cfg.prompts_per_step * cfg.group_size - len(pools.unfinished)
+            n_new = 0 if len(state["ready"]) >= cfg.train_groups else max(free // cfg.group_size, 0)
+            new = draw_groups(rows, state, n_new, tokenizer, pools, cfg, m)
+            r = rollout_step(engine, pools, new, segment_len, cfg.max_response_len, sampling, state["version"])
+            m["rollout/rounds"] += 1
+            m["tokens/generated"] += r["tokens/generated"]
+            m["rollout/unfinished"] = r["rollout/unfinished"]
+            complete = [pools.pop_group(g[0].group) for g in pools.ready_groups(cfg.group_size)]
+            for k, v in score([s for g in complete for s in g], tokenizer, cfg).items():
+                m[k] += v
+            scored += [s for g in complete for s in g]
+            kept, dropped = ulorl.take_informative(complete, cfg.dynamic_sampling)
+            state["ready"] += kept
+            m["dynamic/dropped_groups"] += dropped
+            if m["rollout/rounds"] > 100 * cfg.segments:
+                raise RuntimeError(f"no informative group after {m['rollout/rounds']} rollouts: every group's "
+                                   f"rewards were all equal (mean reward {sum(s.reward for s in scored) / max(len(scored), 1):.3f}). "
+                                   f"The task is too easy or too hard for this model; try --dynamic-sampling false")
+        t_roll = time.time() - t_roll
+        groups, state["ready"] = state["ready"][:cfg.train_groups], state["ready"][cfg.train_groups:]
+
+        # 5-6. old/reference log-probs, DMMPT mask, update
+        m.update(train_on(policy, ref, opt, sched, groups, state["version"], tokenizer.pad_token_id, cfg))
+        state["version"] += 1
+        if cfg.ref_reset_every and step % cfg.ref_reset_every == 0 and ref is not None:
+            reset_reference(policy, ref, opt)
+            m["train/ref_reset"] = 1
+
+        # 7. the new weights reach the engine; unfinished samples continue under them
+        engine.update_weights(policy)
+
+        # 8. log, evaluate, checkpoint
+        trained = [s for g in groups for s in g]
+        m.update({"step": step, "reward/mean": sum(s.reward for s in scored) / len(scored) if scored else None,
+                  "reward/trained_mean": sum(s.reward for s in trained) / len(trained),
+                  "response/mean_len": sum(len(s.tokens) for s in trained) / len(trained),
+                  "response/max_len": max(len(s.tokens) for s in trained),
+                  "response/truncated_frac": sum(s.finish == "truncated" for s in trained) / len(trained),
+                  "response/multi_segment_frac": sum(len(s.seg_starts) > 1 for s in trained) / len(trained),
+                  "tokens/per_s": m["tokens/generated"] / max(t_roll, 1e-9), "time/rollout_s": t_roll})
+        state["step"] = step
+        if eval_rows and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+            m.update(evaluate(engine, tokenizer, eval_rows, cfg))
+        if cfg.dump_samples:
+            dump_samples(samples_file, groups, step, tokenizer, cfg.dump_samples)
+        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
+            save_checkpoint(os.path.join(cfg.out, f"step_{step:06d}"), policy, ref, tokenizer, opt, sched, engine,
+                            pools, state, cfg)
+        m["time/step_s"] = time.time() - t0
+        step_times.append(m["time/step_s"])
+        write_record(m)
+        print(log_line(m, cfg, sum(step_times) / len(step_times) * (cfg.steps - step)), flush=True)
+    metrics_file.close()
+    samples_file.close()
+
+
+if __name__ == "__main__":
+    main(parse_config())
