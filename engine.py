@@ -129,10 +129,15 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in-process: ~2 s start
         from vllm import LLM
         on_cpu = device == "cpu"
+        # On CPU, never split a prompt across engine steps: vLLM discards a partial prefill's sampled token by
+        # rewinding the request's seeded generator, which fails on CPU ("CPU Generator does not use offset")
+        # as soon as a batch exceeds the token budget.
+        cpu_args = {"kv_cache_memory_bytes": int(mem * 2**30), "enable_chunked_prefill": False,
+                    "max_num_batched_tokens": max(max_model_len, 8192)}
         self.llm = LLM(model=path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=on_cpu,
                        logprobs_mode="processed_logprobs",  # after temperature / top-k / top-p, like the trainer
                        enable_prefix_caching=True,  # continued samples re-send their prefix
-                       **({"kv_cache_memory_bytes": int(mem * 2**30)} if on_cpu else {"gpu_memory_utilization": mem}))
+                       **(cpu_args if on_cpu else {"gpu_memory_utilization": mem}))
         self.on_cpu = on_cpu
         self.generator = torch.Generator().manual_seed(seed)  # draws one vLLM seed per request: reproducible
 

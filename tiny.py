@@ -1,21 +1,22 @@
 """The embedded default: a tiny Qwen3 model, its character tokenizer, a synthetic reasoning task, and the
 script that makes the warm-start checkpoint shipped in `tiny_ckpt/`.
 
-The task: add 2-16 one-digit numbers, writing the running sums first, then the answer after ':'
+The task: add 2-12 one-digit numbers step by step (each next term and the running sum), then give the
+answer after ':'
 
-    prompt  "3+4+5="        response  "7,12:12<eos>"        answer "12"
+    prompt  "3+4+5="        response  "4=7,5=12:12<eos>"        answer "12"
 
-The number of terms k is drawn with P(k) ~ k^-1.5, so most responses are short (k=2: 4 tokens) and a few
-run to ~50 tokens: the long tail that makes segment rollout worth it (UloRL section 3.1).
+The number of terms k is drawn with P(k) ~ k^-1.5, so most responses are short (k=2: 6 tokens) and a few
+run to ~60 tokens: the long tail that makes segment rollout worth it (UloRL section 3.1).
 
 The warm start imitates a *sloppy teacher*: each running sum is off by one with probability `SLIP` (0.2),
 and the teacher carries on from the wrong value. Trained on that, the model has learned to add but also to
-slip, so sampling at temperature 1 gets roughly half the problems right; RL with the {0,1} answer reward
+slip, so sampling at temperature 1 gets about half the problems right; RL with the {0,1} answer reward
 must teach it to stop slipping. This is the smallest honest stand-in for what RL does to a real model
 (sharpening what it can already do), and it makes a visible gain in minutes on a CPU.
 
-    python tiny.py                       # rebuild tiny_ckpt/ (deterministic on a given machine, ~8 min on 2 cores)
-    python tiny.py --steps 300 --out /tmp/t  # a quick, weaker one
+    python tiny.py                            # rebuild tiny_ckpt/ (deterministic on a given machine; ~15 min on 2 cores)
+    python tiny.py --steps 300 --out /tmp/t   # a quick, weaker one
 """
 import argparse
 import math
@@ -28,7 +29,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 CHARS = "0123456789+=,:"
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
-MIN_TERMS, MAX_TERMS, TAIL = 2, 16, 1.5  # P(k) ~ k^-TAIL for k in [MIN_TERMS, MAX_TERMS]
+MIN_TERMS, MAX_TERMS, TAIL = 2, 12, 1.5  # P(k) ~ k^-TAIL for k in [MIN_TERMS, MAX_TERMS]
 SLIP = 0.2  # the warm-start teacher's chance of an off-by-one running sum
 CKPT = "tiny_ckpt"  # the shipped warm start, relative to the repo root
 
@@ -64,15 +65,16 @@ def draw_terms(rng: random.Random) -> list[int]:
 
 
 def teacher_response(terms: list[int], rng: random.Random, slip: float = 0.0) -> str:
-    """Running sums, then ':' and the final sum. With `slip` > 0 each sum may be off by one, and the
-    teacher carries on from what it wrote (so one slip makes the answer wrong)."""
-    sums, s = [], terms[0]
+    """Each next term and the running sum ("4=7"), then ':' and the final sum. Copying the term keeps every
+    step local (add the number just written to the sum before it). With `slip` > 0 each sum may be off by
+    one, and the teacher carries on from what it wrote (so one slip makes the answer wrong)."""
+    steps, s = [], terms[0]
     for t in terms[1:]:
         s += t
         if rng.random() < slip:
             s += rng.choice([-1, 1])
-        sums.append(s)
-    return ",".join(map(str, sums)) + ":" + str(s)
+        steps.append(f"{t}={s}")
+    return ",".join(steps) + ":" + str(s)
 
 
 def make_rows(n: int, seed: int) -> list[dict]:
@@ -136,7 +138,7 @@ def pretrain(out: str, steps: int, batch: int, lr: float, seed: int) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=CKPT, help="where to write the checkpoint")
-    p.add_argument("--steps", type=int, default=3000, help="optimizer steps of supervised training")
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps of supervised training")
     p.add_argument("--batch", type=int, default=128, help="sequences per step")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     p.add_argument("--seed", type=int, default=0, help="seed for the model init and the data")

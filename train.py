@@ -51,7 +51,7 @@ class Config:
     eval_data: str = flag("tiny", "held-out prompts for --eval-every (same formats as --data); '' = none")
     prompt_key: str = flag("prompt", "column holding the prompt (dotted paths reach nested columns)")
     answer_key: str = flag("answer", "column holding the reference answer")
-    steps: int = flag(200, "training steps (one update phase each)")
+    steps: int = flag(150, "training steps (one update phase each)")
     out: str = flag("runs/tiny", "output directory: metrics.jsonl, samples.jsonl, step_NNNNNN/ checkpoints")
     resume: str = flag("", "checkpoint directory to continue from, or 'auto' for the newest in --out")
     seed: int = flag(0, "seed for data order, sampling and init")
@@ -76,7 +76,7 @@ class Config:
     mini_batch: int = flag(0, "samples per optimizer step; 0 = the whole batch, one update per step "
                               "(UloRL 1024 = 128 x 8; ProRL 64 prompts x 16)")
     max_tokens_per_micro_batch: int = flag(4096, "padded tokens per forward/backward micro-batch")
-    lr: float = flag(1e-4, "AdamW learning rate, constant after warm-up (UloRL 1e-6, ProRL 2e-6)")
+    lr: float = flag(3e-4, "AdamW learning rate, constant after warm-up (UloRL 1e-6, ProRL 2e-6)")
     warmup_steps: int = flag(0, "linear learning-rate warm-up")
     weight_decay: float = flag(0.0, "AdamW weight decay")
     grad_clip: float = flag(1.0, "max gradient norm")
@@ -99,7 +99,7 @@ class Config:
     overlong_buffer: int = flag(0, "soft punishment ramps over the last N tokens before the cap")
     reward_timeout: float = flag(5.0, "seconds per reward check; a check that takes longer scores 0")
     # evaluation, logging, checkpoints
-    eval_every: int = flag(50, "evaluate on --eval-data every N steps (also before step 1 and after the last)")
+    eval_every: int = flag(25, "evaluate on --eval-data every N steps (also before step 1 and after the last)")
     eval_n: int = flag(512, "held-out prompts per evaluation (one sample each)")
     save_every: int = flag(0, "checkpoint every N steps (0: only at the end)")
     dump_samples: int = flag(256, "samples.jsonl records per step (0: none)")

@@ -114,3 +114,14 @@ def test_per_sample_budgets_and_seeded_sampling(setup):
     engine.set_rng_state(state)
     b = engine.generate(ps, [0, 1, 5, 9], SAMPLING)
     assert [g.tokens for g in a] == [g.tokens for g in b]
+
+
+def test_batch_larger_than_the_token_budget(setup):
+    """A rollout batch whose prompts exceed one engine step's token budget (here 100 x 150 tokens) must not
+    crash: on CPU, vLLM rewinds a seeded request's generator after a split prefill, which CPU generators
+    cannot do, so the engine keeps every prompt whole."""
+    tok, model, engine = setup
+    engine.update_weights(model)
+    ps = [p for p in prompts(tok, 5) for _ in range(20)]
+    gens = engine.generate(ps, [2] * len(ps), SAMPLING)
+    assert len(gens) == 100 and all(1 <= len(g.tokens) <= 2 for g in gens)
