@@ -62,9 +62,10 @@ def rollout_step(engine, pools: Pools, new_groups: list[list[Sample]], segment_l
     """Decode at most one segment for every unfinished sample and every new sample, then sort each one into
     the experience pool (EOS or global cap) or back into the unfinished pool (segment cap)."""
     batch = pools.unfinished + [s for g in new_groups for s in g]
-    pools.unfinished = []
+    pools.unfinished = batch  # new samples join the pool first: if the engine raises, nothing is lost
     budgets = [min(segment_len, max_len - len(s.tokens)) for s in batch]
     gens = engine.generate([s.prompt_ids + s.tokens for s in batch], budgets, sampling)
+    pools.unfinished = []
     n_eos = n_trunc = 0
     for s, g, budget in zip(batch, gens, budgets):
         s.seg_starts.append(len(s.tokens))

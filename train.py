@@ -15,11 +15,13 @@ One step, in paper order (ulorl.py maps every paper component to its function):
 """
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -101,7 +103,9 @@ class Config:
     # evaluation, logging, checkpoints
     eval_every: int = flag(25, "evaluate on --eval-data every N steps (also before step 1 and after the last)")
     eval_n: int = flag(512, "held-out prompts per evaluation (one sample each)")
-    save_every: int = flag(0, "checkpoint every N steps (0: only at the end)")
+    save_every: int = flag(0, "checkpoint every N steps (0: only at the end, or on SIGTERM / Ctrl-C)")
+    keep_last: int = flag(3, "keep the newest N checkpoints (0: all)")
+    max_bad_steps: int = flag(3, "stop after this many updates in a row skipped for a NaN/inf loss or gradient")
     dump_samples: int = flag(256, "samples.jsonl records per step (0: none)")
 
 
@@ -239,29 +243,38 @@ def train_on(policy, ref, opt, sched, groups: list[list[Sample]], version: int, 
     # 6. update: each mini-batch is one optimizer step
     policy.train()
     totals: dict = {}
+    skipped, grad_norm = 0, torch.tensor(float("nan"))
     for mbs in batches:
         # The one place that decides what the loss averages over: the kept response tokens (after DMMPTs and
         # overlong filtering) of *all* micro-batches of this optimizer step (samples, for agg="sample").
         denom = sum(mb["keep"].sum() for mb in mbs) if cfg.agg == "token" else sum((mb["keep"].sum(1) > 0).sum() for mb in mbs)
         opt.zero_grad(set_to_none=True)
+        finite = True
         for mb in mbs:
             logprobs, _ = model_lib.response_logprobs(policy, mb, cfg.temperature)
             loss, m = policy_loss(logprobs, mb["old"], mb["adv"], mb["keep"], cfg.eps_low, cfg.eps_high,
                                   mb.get("ref"), cfg.kl_coef, cfg.agg, denom, cfg.tis_cap or None, mb["behaviour"])
             loss.backward()
+            finite &= bool(torch.isfinite(loss))
             w = int(mb["keep"].sum())
             totals["ratio_max"] = max(totals.get("ratio_max", 0.0), m.pop("ratio/max"))  # a max, not a mean
             for k, v in m.items():  # losses already carry the global denominator: they add up
                 totals[k] = totals.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
             totals["_w"] = totals.get("_w", 0) + w
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+        if not (finite and torch.isfinite(grad_norm)):  # a NaN/inf loss or gradient: skip, never apply it
+            opt.zero_grad(set_to_none=True)
+            skipped += 1
+            continue
         opt.step()
         sched.step()
     w, ratio_max = max(totals.pop("_w"), 1), totals.pop("ratio_max")
     out = {k: (v / len(batches) if k.startswith("loss/") else v / w) for k, v in totals.items()}
     out["ratio/max"] = ratio_max
-    out.update({"train/samples": len(samples), "train/grad_norm": grad_norm.item(), "train/lr": sched.get_last_lr()[0],
-                "train/optimizer_steps": len(batches), "entropy/mean": stats["entropy"] / max(stats["tokens"], 1),
+    out = {k: (v if math.isfinite(v) else None) for k, v in out.items()}  # JSON has no NaN
+    out.update({"train/samples": len(samples), "train/lr": sched.get_last_lr()[0],
+                "train/grad_norm": grad_norm.item() if torch.isfinite(grad_norm) else None,
+                "train/optimizer_steps": len(batches) - skipped, "train/skipped_updates": skipped, "entropy/mean": stats["entropy"] / max(stats["tokens"], 1),
                 "mpt/masked_frac": 1 - stats["kept"] / max(stats["tokens"], 1),
                 "rollout/logprob_diff_max": stats["diff_max"],
                 "rollout/logprob_diff_mean": stats["diff_sum"] / max(stats["diff_n"], 1)})
@@ -280,9 +293,19 @@ def sample_to_dict(s: Sample) -> dict:
     return dataclasses.asdict(s)
 
 
+def file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def save_checkpoint(path: str, policy, ref, tokenizer, opt, sched, engine, pools: Pools, state: dict, cfg: Config):
-    """Everything a run needs to continue: HF weights (safetensors), optimizer, pools, RNG streams, cursor.
-    Written to a temporary directory and renamed, so a crash never leaves a half-written checkpoint."""
+    """Everything a run needs to continue bit for bit: HF weights (safetensors), the reference, optimizer and
+    scheduler, the unfinished / experience pools and ready groups, the RNG streams, the data cursor. Written
+    to `path.tmp`, fsynced, described by manifest.json (size and sha256 of every file), then renamed: a
+    crash leaves either the old state or the new one, and a damaged checkpoint is detected on resume."""
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model_lib.save(policy, tokenizer, tmp)
@@ -295,18 +318,62 @@ def save_checkpoint(path: str, policy, ref, tokenizer, opt, sched, engine, pools
                   "ready": [[sample_to_dict(s) for s in g] for g in state["ready"]],
                   "next_uid": pools.next_uid, "next_group": pools.next_group}
     with open(os.path.join(tmp, "ulorl_state.json"), "w") as f:
-        json.dump({"config": dataclasses.asdict(cfg), "step": state["step"], "version": state["version"],
-                   "cursor": state["cursor"], "python_rng": random.getstate(), "pools": pool_state}, f)
+        json.dump({"config": dataclasses.asdict(cfg), "git": git_hash(), "step": state["step"],
+                   "version": state["version"], "cursor": state["cursor"], "bad_steps": state["bad_steps"],
+                   "python_rng": random.getstate(), "pools": pool_state}, f)
+    files = sorted(os.path.relpath(os.path.join(d, n), tmp) for d, _, names in os.walk(tmp) for n in names)
+    manifest = {f: {"size": os.path.getsize(os.path.join(tmp, f)), "sha256": file_digest(os.path.join(tmp, f))}
+                for f in files}
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    for f in files + ["manifest.json"]:  # data on disk before the rename makes it visible
+        fd = os.open(os.path.join(tmp, f), os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
+    ckpts = list_checkpoints(cfg.out)
+    for old in ckpts[:-cfg.keep_last] if cfg.keep_last > 0 else []:
+        shutil.rmtree(os.path.join(cfg.out, old), ignore_errors=True)
+
+
+def list_checkpoints(out: str) -> list[str]:
+    """step_NNNNNN directories in `out`, oldest first (unfinished `.tmp` writes excluded)."""
+    if not os.path.isdir(out):
+        return []
+    return sorted(d for d in os.listdir(out) if d.startswith("step_") and not d.endswith(".tmp"))
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why a checkpoint cannot be trusted (missing manifest, missing, resized or altered file), or None."""
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"no readable manifest.json ({e})"
+    for name, want in manifest.items():
+        p = os.path.join(path, name)
+        if not os.path.exists(p):
+            return f"{name} is missing"
+        if os.path.getsize(p) != want["size"]:
+            return f"{name} has {os.path.getsize(p)} bytes, the manifest says {want['size']}"
+        if file_digest(p) != want["sha256"]:
+            return f"{name} does not match its sha256 in the manifest"
+    return None
 
 
 def find_resume(cfg: Config) -> str | None:
+    """--resume DIR, or for 'auto' the newest checkpoint in --out that passes its manifest check."""
     if cfg.resume != "auto":
+        if cfg.resume and (problem := checkpoint_problem(cfg.resume)):
+            raise ValueError(f"--resume {cfg.resume}: {problem}")
         return cfg.resume or None
-    ckpts = sorted(d for d in os.listdir(cfg.out) if d.startswith("step_") and not d.endswith(".tmp")) \
-        if os.path.isdir(cfg.out) else []
-    return os.path.join(cfg.out, ckpts[-1]) if ckpts else None
+    for name in reversed(list_checkpoints(cfg.out)):
+        problem = checkpoint_problem(os.path.join(cfg.out, name))
+        if problem is None:
+            return os.path.join(cfg.out, name)
+        print(f"warning: skipping checkpoint {os.path.join(cfg.out, name)}: {problem}", file=sys.stderr, flush=True)
+    return None
 
 
 def load_checkpoint(path: str, opt, sched, engine, pools: Pools, state: dict) -> None:
@@ -324,7 +391,7 @@ def load_checkpoint(path: str, opt, sched, engine, pools: Pools, state: dict) ->
     for d in p["finished"]:
         pools.finished.setdefault(d["group"], []).append(Sample(**d))
     pools.next_uid, pools.next_group = p["next_uid"], p["next_group"]
-    state.update(step=saved["step"], version=saved["version"], cursor=saved["cursor"],
+    state.update(step=saved["step"], version=saved["version"], cursor=saved["cursor"], bad_steps=saved["bad_steps"],
                  ready=[[Sample(**d) for d in g] for g in p["ready"]])
 
 
@@ -351,7 +418,7 @@ def dump_samples(f, groups: list[list[Sample]], step: int, tokenizer, limit: int
     texts = tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
     prompts = tokenizer.batch_decode([s.prompt_ids for s in samples], skip_special_tokens=False)
     for s, text, prompt in zip(samples, texts, prompts):
-        f.write(json.dumps({"step": step, "group": s.group, "prompt": prompt, "response": text,
+        f.write(json.dumps({"step": step, "group": s.group, "uid": s.uid, "prompt": prompt, "response": text,
                             "n_tokens": len(s.tokens), "versions": s.segment_versions(), "finish": s.finish,
                             "reward": s.reward}) + "\n")
     f.flush()
@@ -380,19 +447,22 @@ def main(cfg: Config) -> None:
     eval_rows = load_prompts(cfg.eval_data, cfg, eval_set=True) if cfg.eval_data else []
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
     segment_len = cfg.max_response_len // cfg.segments
-    pools, state = Pools(), {"step": 0, "version": 0, "cursor": 0, "ready": []}
-    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+    pools, state = Pools(), {"step": 0, "version": 0, "cursor": 0, "ready": [], "bad_steps": 0}
+    metrics_path, samples_path = os.path.join(cfg.out, "metrics.jsonl"), os.path.join(cfg.out, "samples.jsonl")
     if resume_from:
         load_checkpoint(resume_from, opt, sched, engine, pools, state)
         print(f"resumed from {resume_from} at step {state['step']}", flush=True)
-        with open(metrics_path) as f:  # drop records written after the checkpoint: they are redone now
-            keep = [l for l in f if json.loads(l)["step"] <= state["step"]]
-        with open(metrics_path, "w") as f:
-            f.writelines(keep)
+        for path in (metrics_path, samples_path):  # records written after the checkpoint are redone now
+            if os.path.exists(path):
+                with open(path) as f:
+                    keep = [line for line in f if line.strip() and json.loads(line)["step"] <= state["step"]]
+                with open(path, "w") as f:
+                    f.writelines(keep)
     else:
         open(metrics_path, "w").close()
+        open(samples_path, "w").close()
     metrics_file = open(metrics_path, "a")
-    samples_file = open(os.path.join(cfg.out, "samples.jsonl"), "a" if resume_from else "w")
+    samples_file = open(samples_path, "a")
 
     def write_record(rec: dict) -> None:
         metrics_file.write(json.dumps(rec) + "\n")
@@ -405,6 +475,20 @@ def main(cfg: Config) -> None:
         write_record({"step": 0, "time/step_s": time.time() - t0, "reward/mean": None, "entropy/mean": None,
                       "mpt/masked_frac": None, "rollout/unfinished": 0, "tokens/generated": 0, **ev,
                       "git": git_hash(), "config": dataclasses.asdict(cfg)})
+
+    # SIGTERM (schedulers, kill) and Ctrl-C finish the current step, save a checkpoint and exit; a second
+    # Ctrl-C exits at once
+    stop_signal: list[str] = []
+
+    def on_signal(signum, frame):
+        if stop_signal and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop_signal.append(signal.Signals(signum).name)
+        print(f"\n{signal.Signals(signum).name}: finishing step {state['step'] + 1}, then saving a checkpoint",
+              file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
     step_times = []
     while state["step"] < cfg.steps:
@@ -420,7 +504,19 @@ def main(cfg: Config) -> None:
             free = cfg.prompts_per_step * cfg.group_size - len(pools.unfinished)
             n_new = 0 if len(state["ready"]) >= cfg.train_groups else max(free // cfg.group_size, 0)
             new = draw_groups(rows, state, n_new, tokenizer, pools, cfg, m)
-            r = rollout_step(engine, pools, new, segment_len, cfg.max_response_len, sampling, state["version"])
+            try:
+                r = rollout_step(engine, pools, new, segment_len, cfg.max_response_len, sampling, state["version"])
+            except Exception as e:  # one retry; the new samples already wait in the unfinished pool
+                print(f"warning: the rollout engine failed ({type(e).__name__}: {e}); retrying once",
+                      file=sys.stderr, flush=True)
+                try:
+                    r = rollout_step(engine, pools, [], segment_len, cfg.max_response_len, sampling, state["version"])
+                except Exception:
+                    path = os.path.join(cfg.out, f"step_{state['step']:06d}")
+                    save_checkpoint(path, policy, ref, tokenizer, opt, sched, engine, pools, state, cfg)
+                    print(f"the rollout engine failed twice; saved {path} (resume with --resume auto)",
+                          file=sys.stderr, flush=True)
+                    raise
             m["rollout/rounds"] += 1
             m["tokens/generated"] += r["tokens/generated"]
             m["rollout/unfinished"] = r["rollout/unfinished"]
@@ -440,13 +536,25 @@ def main(cfg: Config) -> None:
 
         # 5-6. old/reference log-probs, DMMPT mask, update
         m.update(train_on(policy, ref, opt, sched, groups, state["version"], tokenizer.pad_token_id, cfg))
-        state["version"] += 1
+        if m["train/skipped_updates"]:
+            state["bad_steps"] = state["bad_steps"] + 1 if m["train/optimizer_steps"] == 0 else 0
+            print(f"warning: step {step}: skipped {m['train/skipped_updates']} update(s) with a NaN/inf loss or "
+                  f"gradient ({state['bad_steps']} step(s) in a row)", file=sys.stderr, flush=True)
+            if state["bad_steps"] >= cfg.max_bad_steps:
+                raise RuntimeError(f"{state['bad_steps']} steps in a row had only NaN/inf losses or gradients; "
+                                   f"stopping. Look at samples.jsonl for odd rewards; lower --lr; the newest "
+                                   f"checkpoint in {cfg.out} holds the last good weights")
+        else:
+            state["bad_steps"] = 0
+        if m["train/optimizer_steps"]:
+            state["version"] += 1
         if cfg.ref_reset_every and step % cfg.ref_reset_every == 0 and ref is not None:
             reset_reference(policy, ref, opt)
             m["train/ref_reset"] = 1
 
         # 7. the new weights reach the engine; unfinished samples continue under them
-        engine.update_weights(policy)
+        if m["train/optimizer_steps"]:
+            engine.update_weights(policy)
 
         # 8. log, evaluate, checkpoint
         trained = [s for g in groups for s in g]
@@ -462,13 +570,17 @@ def main(cfg: Config) -> None:
             m.update(evaluate(engine, tokenizer, eval_rows, cfg))
         if cfg.dump_samples:
             dump_samples(samples_file, groups, step, tokenizer, cfg.dump_samples)
-        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
-            save_checkpoint(os.path.join(cfg.out, f"step_{step:06d}"), policy, ref, tokenizer, opt, sched, engine,
-                            pools, state, cfg)
         m["time/step_s"] = time.time() - t0
         step_times.append(m["time/step_s"])
-        write_record(m)
+        write_record(m)  # before the checkpoint: every record up to a checkpoint's step exists on resume
         print(log_line(m, cfg, sum(step_times) / len(step_times) * (cfg.steps - step)), flush=True)
+        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop_signal:
+            save_checkpoint(os.path.join(cfg.out, f"step_{step:06d}"), policy, ref, tokenizer, opt, sched, engine,
+                            pools, state, cfg)
+        if stop_signal:
+            print(f"stopped by {stop_signal[0]} after step {step}; checkpoint saved (resume with --resume auto)",
+                  flush=True)
+            break
     metrics_file.close()
     samples_file.close()
 
