@@ -1,0 +1,240 @@
+"""Evaluation: avg@k, pass@k and maj@k of a model on a benchmark, sampled with the engines (engine.py) and
+scored with the verifiers (reward.py) that training uses. Writes a JSON report and prints a small table.
+
+    python eval.py                                    # the shipped tiny checkpoint on the tiny held-out set
+    python eval.py --model runs/tiny/step_000150      # a trained one, same problems
+    python eval.py --preset ulorl --model Qwen/Qwen3-4B --data aime25.jsonl --engine vllm --device cuda \\
+        --report aime25.json                          # UloRL's avg@32 at T 0.85, top_p 0.95, top_k 20
+
+Metrics, over n = --k samples per problem (SPEC section 7):
+  avg@k   mean accuracy over all samples (UloRL's headline number; ProRL's "pass@1 over 16 samples")
+  pass@k  for k = 1, 2, 4, ... and n: the unbiased estimator 1 - C(n-c, k) / C(n, k) of the chance that
+          at least one of k samples is correct, from c correct of n (Chen et al. 2021), averaged over problems
+  maj@k   the answer most samples give (ties: the one seen first) is correct; a truncated sample or one
+          without an extractable answer does not vote. Answers are compared as strings, so "0.5" and
+          "1/2" are different votes.
+
+A sample is correct when its reward is > 0 after overlong handling "zero" (UloRL: a truncated response
+scores 0). `--segments S` decodes every response in S segments of at most max_response_len / S tokens,
+refilling the batch with new problems as samples finish (segment_rollout.rollout_step, as in training),
+so one long response does not hold a whole batch. With the weights fixed this changes only scheduling,
+but NOT the random draws: the HF engine samples from one generator shared by the whole batch and vLLM
+reseeds every request on every call, so sampled (T > 0) responses differ from unsegmented decoding;
+greedy-like decoding (e.g. --temperature 1e-5) gives the same responses.
+"""
+import argparse
+import json
+import math
+import os
+import time
+from collections import Counter
+
+import torch
+from tqdm import tqdm
+
+import data
+import engine as engine_lib
+import model as model_lib
+import reward
+import tiny
+from engine import Sampling
+from segment_rollout import Pools, Sample, rollout_step
+
+# The papers' evaluation settings (SPEC section 7); --k / --temperature / --top-p / --top-k override them.
+PRESETS = {
+    "tiny": dict(k=4, temperature=1.0, top_p=1.0, top_k=-1, max_response_len=64),
+    "ulorl": dict(k=32, temperature=0.85, top_p=0.95, top_k=20, max_response_len=131072),  # UloRL: avg@32, 128k
+    "prorl": dict(k=16, temperature=0.6, top_p=0.95, top_k=-1, max_response_len=8192),  # ProRL: pass@1 of 16
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # what to evaluate
+    p.add_argument("--model", default=tiny.CKPT, help="hub name or local HF directory (a run's step_NNNNNN/ too)")
+    p.add_argument("--data", default="tiny", help="'tiny' (the held-out draw train.py evaluates on), a "
+                                                  ".jsonl/.json/.parquet file, a save_to_disk directory or a hub name")
+    p.add_argument("--prompt-key", default="prompt", help="column holding the prompt (dotted paths reach nested columns)")
+    p.add_argument("--answer-key", default="answer", help="column holding the reference answer")
+    p.add_argument("--split", default="test", help="split of a Hugging Face dataset")
+    p.add_argument("--n-problems", type=int, default=512, help="the first N rows of --data (the tiny task draws N); 0 = all")
+    # sampling
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="the papers' eval settings: tiny "
+                   "(T 1, k 4), ulorl (T 0.85, top_p 0.95, top_k 20, avg@32), prorl (T 0.6, top_p 0.95, k 16)")
+    p.add_argument("--k", type=int, default=None, help="samples per problem (preset: tiny 4, ulorl 32, prorl 16)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (overrides the preset)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (overrides the preset)")
+    p.add_argument("--top-k", type=int, default=None, help="top-k, -1 = off (overrides the preset)")
+    p.add_argument("--max-response-len", type=int, default=None, help="response cap; reaching it scores 0 "
+                   "(preset: tiny 64, ulorl 131072, prorl 8192)")
+    p.add_argument("--segments", type=int, default=1, help="decode each response in S segments (segment rollout)")
+    p.add_argument("--batch", type=int, default=512, help="samples per engine call (unfinished ones included)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; the tiny task's problems are seed 10000 + seed")
+    # engine
+    p.add_argument("--engine", default="auto", help="hf (transformers), vllm, or auto (vllm when installed, off CPU)")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--rollout-mem", type=float, default=0.25, help="vLLM memory: GPU fraction, or GiB of KV cache on CPU")
+    p.add_argument("--reward-timeout", type=float, default=5.0, help="seconds per reward check (longer scores 0)")
+    p.add_argument("--report", default="", help="write the JSON report here")
+    args = p.parse_args(argv)
+    for key, value in PRESETS[args.preset].items():  # the preset fills what the command line left unset
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.k < 1 or args.segments < 1:
+        p.error("--k and --segments must be >= 1")
+    if args.temperature <= 0:
+        p.error("--temperature must be > 0 (use 1e-5 for greedy-like decoding)")
+    return args
+
+
+# ------------------------------------------------------------------------------------------ metrics
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from c correct of n samples: 1 - C(n-c, k) / C(n, k) (exact integers, then one division)."""
+    assert 0 <= c <= n and 1 <= k <= n, f"pass_at_k({n=}, {c=}, {k=})"
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def ks_up_to(n: int) -> list[int]:
+    """1, 2, 4, ... up to n, and n itself."""
+    ks = [2 ** i for i in range(n.bit_length()) if 2 ** i <= n]
+    return ks + ([n] if ks[-1] != n else [])
+
+
+def tiny_answer(text: str) -> str | None:
+    """The tiny task's final answer: the text after the last ':' (reward.tiny_reward's rule)."""
+    _, colon, final = text.rpartition(":")
+    return final.strip() if colon else None
+
+
+ANSWERS = {"tiny": tiny_answer, "math": reward.extract_answer}  # verifier -> final-answer extractor (for maj@k)
+
+
+def majority_correct(answers: list[str | None], correct: list[bool]) -> bool:
+    """maj@k of one problem: the most common non-None answer (ties: the first seen) decides, through the
+    first sample that gave it. No answer at all: wrong."""
+    counts = Counter(a for a in answers if a is not None)
+    if not counts:
+        return False
+    best = max(counts.values())
+    first = next(i for i, a in enumerate(answers) if a is not None and counts[a] == best)
+    return bool(correct[first])
+
+
+def summarize(per_problem: list[dict]) -> dict:
+    """The report's numbers from per-problem records ({"correct", "answers", "lengths", "truncated"})."""
+    n = len(per_problem[0]["correct"])
+    assert all(len(p["correct"]) == n for p in per_problem), "every problem needs the same number of samples"
+    samples = [c for p in per_problem for c in p["correct"]]
+    lengths = [x for p in per_problem for x in p["lengths"]]
+    return {
+        "avg@k": sum(samples) / len(samples),
+        "pass@k": {str(k): sum(pass_at_k(n, sum(p["correct"]), k) for p in per_problem) / len(per_problem)
+                   for k in ks_up_to(n)},
+        "maj@k": sum(majority_correct(p["answers"], p["correct"]) for p in per_problem) / len(per_problem),
+        "mean_length": sum(lengths) / len(lengths),
+        "truncation_rate": sum(t for p in per_problem for t in p["truncated"]) / len(lengths),
+    }
+
+
+# ------------------------------------------------------------------------------------------ sampling
+
+def load_problems(args) -> list[dict]:
+    if args.data == "tiny":  # train.load_prompts("tiny", cfg, eval_set=True): the held-out draw
+        return tiny.make_rows(args.n_problems or 512, seed=10_000 + args.seed)
+    rows = data.load_rows(args.data, args.prompt_key, args.answer_key, split=args.split)
+    return rows[:args.n_problems] if args.n_problems else rows
+
+
+def sample_all(engine, prompt_ids: list[list[int]], rows: list[dict], k: int, max_len: int, segments: int,
+               batch: int, sampling: Sampling) -> list[list[Sample]]:
+    """k samples per problem, in problem order. Each engine call decodes at most one segment for every
+    unfinished sample plus as many new problems' k samples as fit in `batch` (at least one problem)."""
+    pools, segment_len = Pools(), -(-max_len // segments)
+    done, nxt = {}, 0
+    with tqdm(total=len(rows), desc="eval", unit="problem") as bar:
+        while nxt < len(rows) or pools.unfinished:
+            new = []
+            while nxt < len(rows) and (len(pools.unfinished) + (len(new) + 1) * k <= batch
+                                       or (not new and not pools.unfinished)):
+                new.append(pools.new_group(prompt_ids[nxt], rows[nxt], k))  # group id == problem index
+                nxt += 1
+            rollout_step(engine, pools, new, segment_len, max_len, sampling, version=0)
+            for group in pools.ready_groups(k):
+                done[group[0].group] = pools.pop_group(group[0].group)
+                bar.update(1)
+    return [done[i] for i in range(len(rows))]
+
+
+def score(groups: list[list[Sample]], tokenizer, max_len: int, timeout: float) -> tuple[list[dict], dict]:
+    """Per-problem records: the verifier's reward after overlong "zero", correctness, extracted answers."""
+    samples = [s for g in groups for s in g]
+    texts = tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
+    rewards, metrics = reward.score_batch([(s.row["verifier"], t, s.row["answer"]) for s, t in zip(samples, texts)],
+                                          timeout=timeout)
+    out, i = [], 0
+    for g in groups:
+        row, recs = g[0].row, []
+        for s in g:
+            r = reward.overlong_reward(rewards[i], len(s.tokens), s.finish == "truncated", max_len, "zero")
+            extract = ANSWERS.get(row["verifier"], reward.extract_answer)
+            recs.append((r > 0, None if s.finish == "truncated" else extract(texts[i]), len(s.tokens),
+                         s.finish == "truncated"))
+            i += 1
+        correct, answers, lengths, truncated = map(list, zip(*recs))
+        out.append({"prompt": row["prompt"], "answer": row["answer"], "correct": correct, "answers": answers,
+                    "lengths": lengths, "truncated": truncated})
+    return out, metrics
+
+
+def print_table(report: dict) -> None:
+    k = report["k"]
+    print(f"{report['model']} on {report['data']}: {report['n_problems']} problems x {k} samples, "
+          f"T {report['sampling']['temperature']} top_p {report['sampling']['top_p']} "
+          f"top_k {report['sampling']['top_k']}, {report['time_s']:.1f}s")
+    print(f"  {f'avg@{k}':<12}{report['avg@k']:.4f}")
+    for kk, v in report["pass@k"].items():
+        print(f"  {f'pass@{kk}':<12}{v:.4f}")
+    print(f"  {f'maj@{k}':<12}{report['maj@k']:.4f}")
+    print(f"  {'mean length':<12}{report['mean_length']:.1f}")
+    print(f"  {'truncated':<12}{report['truncation_rate']:.4f}")
+
+
+def main(args) -> dict:
+    t0 = time.time()
+    torch.manual_seed(args.seed)
+    rows = load_problems(args)
+    use_vllm = args.engine == "vllm" or (args.engine == "auto" and engine_lib.vllm_available() and args.device != "cpu")
+    if use_vllm:  # vLLM loads the weights itself: only the tokenizer here
+        from transformers import AutoConfig, AutoTokenizer
+        policy, tokenizer = None, AutoTokenizer.from_pretrained(args.model)
+        max_pos = AutoConfig.from_pretrained(args.model).max_position_embeddings
+    else:
+        policy, tokenizer = model_lib.load(args.model, args.dtype, args.device)
+        max_pos = policy.config.max_position_embeddings
+    prompt_ids = [data.encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    longest = max(map(len, prompt_ids))
+    if longest + args.max_response_len > max_pos:
+        print(f"warning: prompt ({longest}) + --max-response-len ({args.max_response_len}) exceeds the model's "
+              f"{max_pos} positions", flush=True)
+    engine = engine_lib.make_engine(args.engine, policy, tokenizer, args.seed, path=args.model,
+                                    max_model_len=min(longest + args.max_response_len, max_pos),
+                                    mem=args.rollout_mem, device=args.device, dtype=args.dtype)
+    sampling = Sampling(args.temperature, args.top_p, args.top_k)
+    groups = sample_all(engine, prompt_ids, rows, args.k, args.max_response_len, args.segments, args.batch, sampling)
+    per_problem, reward_metrics = score(groups, tokenizer, args.max_response_len, args.reward_timeout)
+    report = {**summarize(per_problem), "k": args.k, "n_problems": len(rows), "model": args.model,
+              "data": args.data, "sampling": vars(sampling), "reward_timeouts": reward_metrics["reward/timeouts"],
+              "time_s": time.time() - t0, "args": vars(args), "per_problem": per_problem}
+    print_table(report)
+    if args.report:
+        os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
+        with open(args.report, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.report}")
+    return report
+
+
+if __name__ == "__main__":
+    main(parse_args())
