@@ -141,8 +141,8 @@ def summarize(per_problem: list[dict]) -> dict:
 # ------------------------------------------------------------------------------------------ sampling
 
 def load_problems(args) -> list[dict]:
-    if args.data == "tiny":  # train.load_prompts("tiny", cfg, eval_set=True): the held-out draw
-        return tiny.make_rows(args.n_problems or 512, seed=10_000 + args.seed)
+    if args.data == "tiny":  # the held-out draw train.py evaluates on
+        return tiny.held_out_rows(args.n_problems or 512, args.seed)
     rows = data.load_rows(args.data, args.prompt_key, args.answer_key, split=args.split)
     return rows[:args.n_problems] if args.n_problems else rows
 

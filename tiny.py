@@ -88,6 +88,11 @@ def make_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def held_out_rows(n: int, seed: int = 0) -> list[dict]:
+    """The held-out draw that train.py (--eval-data tiny) and eval.py evaluate on: a seed range training never uses."""
+    return make_rows(n, seed=10_000 + seed)
+
+
 def pretrain(out: str, steps: int, batch: int, lr: float, seed: int) -> None:
     """Supervised warm start on the sloppy teacher: next-token loss on response tokens only."""
     torch.manual_seed(seed)

@@ -146,7 +146,7 @@ def parse_config(argv=None) -> Config:
 
 def load_prompts(source: str, cfg: Config, eval_set: bool = False) -> list[dict]:
     if source == "tiny":  # the built-in task: a fixed training draw and a separate held-out draw
-        return tiny.make_rows(cfg.eval_n, seed=10_000 + cfg.seed) if eval_set else tiny.make_rows(100_000, cfg.seed)
+        return tiny.held_out_rows(cfg.eval_n, cfg.seed) if eval_set else tiny.make_rows(100_000, cfg.seed)
     rows = data.load_rows(source, cfg.prompt_key, cfg.answer_key, split="test" if eval_set else "train")
     return rows[:cfg.eval_n] if eval_set else rows
 
