@@ -1,9 +1,14 @@
 """Verifiers: turn a response text and a reference answer into a scalar reward.
 
 Owns answer extraction (`extract_answer`), math answer equivalence (`math_equal`, math-verify run in
-worker processes with a hard timeout), the tiny built-in task (`tiny_reward`), the `VERIFIERS` table
-that maps a dataset's verifier name to a function `(response, answer) -> float`, the batch scorer the
-trainer calls once per step (`score_batch`), and overlong handling (`overlong_reward`, SPEC section 5).
+worker processes with a hard timeout), the tiny built-in task (`tiny_reward`), Reasoning Gym's scorers
+(`rg_reward`), instruction-following constraints (`ifeval_reward`, `CONSTRAINTS`), the `VERIFIERS` table
+that maps a dataset's verifier name to a function `(response, answer) -> float` (code rewards come from
+sandbox.py), the batch scorer the trainer calls once per step (`score_batch`), the generative verifier
+(UloRL 3.3: `JUDGE_PROMPT`, `judge`, `judge_rewards`), and overlong handling (`overlong_reward`, SPEC
+section 5).
+
+    python reward.py bench       # the pool's throughput on 1000 math answers against a single-process loop
 
 Checks run in a persistent pool of processes because sympy can hang inside C code, where neither
 signals nor threads can interrupt it: a worker that overruns its deadline is killed and replaced.
@@ -15,6 +20,7 @@ so `train.py` keeps its work under `if __name__ == "__main__":`.
 import atexit
 import functools
 import importlib
+import json
 import logging
 import multiprocessing as mp
 import re
@@ -25,6 +31,8 @@ from collections import deque
 from multiprocessing.connection import wait as mp_wait
 
 from math_verify import parse, verify
+
+import sandbox
 
 # ---------------------------------------------------------------------------- answer extraction
 
@@ -87,10 +95,13 @@ def _math_check(prediction: str, reference: str) -> float:
     return float(bool(gold and pred and verify(gold, pred, timeout_seconds=None)))
 
 
+MAX_ANSWER_CHARS = 1000  # a longer final answer is garbage (or an attack on the parser): 0 without parsing
+
+
 def math_equal(prediction: str, reference: str, timeout: float = 5.0) -> bool:
     """Whether two final answers are mathematically equal (math-verify); never raises, and gives up
-    (False) after `timeout` seconds. An empty prediction is never equal."""
-    if prediction is None or not prediction.strip():
+    (False) after `timeout` seconds. An empty prediction, or one over MAX_ANSWER_CHARS, is never equal."""
+    if prediction is None or not prediction.strip() or len(prediction) > MAX_ANSWER_CHARS:
         return False
     if prediction.strip() == reference.strip():
         return True
@@ -101,7 +112,14 @@ def math_equal(prediction: str, reference: str, timeout: float = 5.0) -> bool:
 
 
 def math_reward(response: str, answer: str) -> float:
+    """The last \\boxed{} of the response (else its last number) equals the reference."""
     prediction = extract_answer(response)
+    return float(prediction is not None and math_equal(prediction, answer))
+
+
+def math_boxed_reward(response: str, answer: str) -> float:
+    """As math_reward without the last-number fallback: a response without \\boxed{} scores 0."""
+    prediction = extract_answer(response, fallback="none")
     return float(prediction is not None and math_equal(prediction, answer))
 
 
@@ -111,8 +129,175 @@ def tiny_reward(response: str, answer: str) -> float:
     return float(bool(colon) and final.strip() == answer)
 
 
+def final_text(response: str) -> str:
+    """The response after its reasoning: the text after the last `</think>` (all of it without one)."""
+    return response.rpartition("</think>")[2]
+
+
+# ---------------------------------------------------------------------------- logic puzzles (Reasoning Gym)
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def rg_extract(response: str) -> str:
+    """The answer Reasoning Gym's scorers expect: the last <answer>...</answer> (their prompt convention),
+    else the last \\boxed{...}, else the last non-empty line."""
+    text = final_text(response)
+    tags = _ANSWER_TAG.findall(text)
+    if tags:
+        return tags[-1].strip()
+    boxed = extract_answer(text, fallback="none")
+    if boxed is not None:
+        return boxed
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+@functools.cache
+def _rg_scorer(name: str):
+    import reasoning_gym  # imported in the worker, on first use: ~1 s, and only runs that use it pay
+    return reasoning_gym.get_score_answer_fn(name)
+
+
+def rg_reward(response: str, answer: str) -> float:
+    """Reasoning Gym's own scorer for the row's dataset (continuous scores allowed). `answer` is the JSON
+    data.rg_rows wrote: {"dataset", "answer", "metadata"}, the entry the scorer needs."""
+    entry = json.loads(answer)
+    return float(_rg_scorer(entry["dataset"])(rg_extract(response), entry))
+
+
+# ---------------------------------------------------------------------------- instruction following
+
+_WORD = re.compile(r"\b[\w'-]+\b")
+_SENTENCE = re.compile(r"[^.!?]*[A-Za-z0-9][^.!?]*(?:[.!?]+|$)")
+_BULLET = re.compile(r"^\s*[-*\u2022]\s+\S", re.MULTILINE)
+
+
+def _has_word(text: str, word: str) -> bool:
+    return re.search(r"(?<!\w)" + re.escape(word.lower()) + r"(?!\w)", text.lower()) is not None
+
+
+def _is_json(text: str) -> bool:
+    text = text.strip()
+    if text.startswith("```"):  # a fenced block: ```json ... ```
+        text = text.split("\n", 1)[1] if "\n" in text else ""
+        text = text.rstrip().removesuffix("```")
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+# Each constraint: {"type": one of these names, plus its parameters}; a function (text, constraint) -> bool.
+CONSTRAINTS = {
+    "max_words": lambda t, c: len(_WORD.findall(t)) <= c["n"],
+    "min_words": lambda t, c: len(_WORD.findall(t)) >= c["n"],
+    "max_sentences": lambda t, c: len(_SENTENCE.findall(t.strip())) <= c["n"],
+    "min_sentences": lambda t, c: len(_SENTENCE.findall(t.strip())) >= c["n"],
+    "include_keywords": lambda t, c: all(_has_word(t, w) for w in c["words"]),
+    "forbid_keywords": lambda t, c: not any(_has_word(t, w) for w in c["words"]),
+    "json_format": lambda t, c: _is_json(t),
+    "bullet_points": lambda t, c: len(_BULLET.findall(t)) == c["n"],
+    "ends_with": lambda t, c: t.strip().endswith(c["phrase"]),
+    "starts_with": lambda t, c: t.strip().startswith(c["phrase"]),
+    "lowercase": lambda t, c: t == t.lower(),
+    "no_commas": lambda t, c: "," not in t,
+}
+
+
+def ifeval_reward(response: str, answer: str) -> float:
+    """Instruction following (ProRL): the fraction of the constraints in `answer` (a JSON list of
+    {"type": ..., parameters}) that the response (after any </think>) meets."""
+    try:
+        constraints = json.loads(answer)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"ifeval answer is not JSON ({e}): {answer[:200]!r}") from None
+    if not isinstance(constraints, list) or not constraints:
+        raise ValueError(f"ifeval answer must be a non-empty JSON list of constraints, got {answer[:200]!r}")
+    text = final_text(response)
+    met = 0
+    for c in constraints:
+        if not isinstance(c, dict) or c.get("type") not in CONSTRAINTS:
+            raise ValueError(f"ifeval constraint {c!r}: 'type' must be one of {sorted(CONSTRAINTS)}")
+        try:
+            met += bool(CONSTRAINTS[c["type"]](text, c))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"ifeval constraint {c!r}: missing or bad parameter ({type(e).__name__}: {e})") from None
+    return met / len(constraints)
+
+
 # Verifier functions must live at module level: workers import them by "module:name".
-VERIFIERS = {"tiny": tiny_reward, "math": math_reward}
+VERIFIERS = {"tiny": tiny_reward, "math": math_reward, "math_boxed": math_boxed_reward, "code": sandbox.code_reward,
+             "rg": rg_reward, "ifeval": ifeval_reward}
+
+
+# ---------------------------------------------------------------------------- generative verifier (UloRL 3.3)
+
+# The judge sees the problem, the reference and the extracted prediction (never the whole response: a long
+# response could argue with the judge). It runs in the trainer process: it is a model forward, not model code.
+JUDGE_PROMPT = """You are grading a student's final answer to a problem against the reference answer.
+
+Problem: {question}
+
+Reference answer: {reference}
+
+Student's answer: {prediction}
+
+Are the two answers equivalent: the same number, expression, set, interval or choice, even if written \
+differently (1/2 and 0.5, 27 cm and 0.27 m, "one half" and 1/2)? Reply with one word: yes or no."""
+JUDGE_DOMAINS = ("math", "math_boxed")  # verifiers whose reward is answer equivalence, where a judge can help
+_VERDICT_PUNCT = ".!"
+
+
+def parse_verdict(text: str) -> bool:
+    """Strict: True only if the reply (after any </think>) is the single word "yes" (any case, surrounding
+    spaces and one final '.' or '!' allowed); "yes, but ...", "Yes/No" or anything else is a no."""
+    return final_text(text).strip().rstrip(_VERDICT_PUNCT).strip().lower() == "yes"
+
+
+def _question_text(prompt) -> str:
+    if isinstance(prompt, list):  # chat messages: the last user turn holds the problem
+        prompt = next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), prompt[-1]["content"])
+    return prompt if len(prompt) <= 4000 else prompt[:2000] + " ... " + prompt[-2000:]
+
+
+def judge(engine, tokenizer, items: list[tuple], max_tokens: int = 64) -> list[bool]:
+    """Ask the judge model (behind the engine interface) whether each (question, prediction, reference)
+    pair is equivalent; greedy decoding, verdicts parsed by parse_verdict. A missing, empty or over-long
+    prediction is a no without asking."""
+    import data  # here, not at the top: reward workers never need the tokenizer side
+    from engine import Sampling
+    verdicts, ask = [False] * len(items), []
+    for i, (question, prediction, reference) in enumerate(items):
+        if prediction is not None and prediction.strip() and len(prediction) <= MAX_ANSWER_CHARS:
+            ask.append(i)
+    if not ask:
+        return verdicts
+    prompts = [data.encode_prompt(tokenizer, JUDGE_PROMPT.format(
+        question=_question_text(items[i][0]), reference=items[i][2], prediction=items[i][1])) for i in ask]
+    gens = engine.generate(prompts, [max_tokens] * len(ask), Sampling(temperature=1.0, top_k=1))  # greedy
+    texts = tokenizer.batch_decode([g.tokens for g in gens], skip_special_tokens=True)
+    for i, text in zip(ask, texts):
+        verdicts[i] = parse_verdict(text)
+    return verdicts
+
+
+def judge_rewards(engine, tokenizer, rows: list[dict], responses: list[str], rewards: list[float],
+                  mode: str, max_tokens: int = 64) -> tuple[list[float], int]:
+    """Rewards after the generative verifier, for rows whose verifier is in JUDGE_DOMAINS; others unchanged.
+    "alone": the judge's verdict is the reward. "second_opinion": only rule-based 0s are asked, and a yes
+    makes them 1 (UloRL's answer to pairs like 27cm / 0.27m). Returns (rewards, number of judge calls)."""
+    if mode not in ("alone", "second_opinion"):
+        raise ValueError(f"unknown verifier mode {mode!r}; use 'off', 'alone' or 'second_opinion'")
+    ask = [i for i, row in enumerate(rows) if row["verifier"] in JUDGE_DOMAINS and
+           (mode == "alone" or rewards[i] == 0.0)]
+    verdicts = judge(engine, tokenizer, [(rows[i]["prompt"], extract_answer(final_text(responses[i])),
+                                          rows[i]["answer"]) for i in ask], max_tokens)
+    out = list(rewards)
+    for i, yes in zip(ask, verdicts):
+        out[i] = float(yes)
+    return out, len(ask)
 
 
 # ---------------------------------------------------------------------------- worker pool
@@ -269,3 +454,47 @@ def overlong_reward(reward: float, n_tokens: int, truncated: bool, max_len: int,
     if mode in ("none", "filter"):
         return reward
     raise ValueError(f"unknown overlong mode {mode!r}; use 'zero', 'soft', 'none' or 'filter'")
+
+
+# ---------------------------------------------------------------------------- benchmark
+
+def bench(n: int = 1000, workers: int = 2, timeout: float = 5.0) -> dict:
+    """Seconds to score n math answers: the pool (score_batch) against the fastest single-process loop over
+    the same pairs (math_reward called directly: no processes, no messages, no timeout protection)."""
+    import random
+    rng = random.Random(0)
+    forms = [lambda a, b: (rf"\frac{{{a}}}{{{b}}}", f"{a}/{b}"), lambda a, b: (f"{a / b:.4f}", rf"\frac{{{a}}}{{{b}}}"),
+             lambda a, b: (rf"\sqrt{{{a * a}}}", str(a)), lambda a, b: (f"x = {a + b}", str(a + b)),
+             lambda a, b: (rf"\{{{a}, {b}\}}", rf"\{{{b}, {a}\}}"), lambda a, b: (f"[{a}, {a + b})", f"[{a},{a + b})"),
+             lambda a, b: (f"{a}^{{2}} + {b}", str(a * a + b + rng.randint(0, 1)))]
+    items = []
+    for _ in range(n):
+        prediction, reference = rng.choice(forms)(rng.randint(1, 99), rng.randint(1, 99))
+        items.append(("math", f"so the answer is \\boxed{{{prediction}}}.", reference))
+    global _IN_WORKER
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # as in the workers: no "timeout disabled" noise
+    _IN_WORKER = True  # the loop checks in this process, as a single-process scorer would
+    start = time.perf_counter()
+    loop = [math_reward(response, answer) for _, response, answer in items]
+    loop_s = time.perf_counter() - start
+    _IN_WORKER = False
+    start = time.perf_counter()
+    pool, _ = score_batch(items, timeout=timeout, workers=workers)
+    cold_s = time.perf_counter() - start  # includes starting the worker processes
+    start = time.perf_counter()
+    pool, metrics = score_batch(items, timeout=timeout, workers=workers)
+    warm_s = time.perf_counter() - start
+    assert pool == loop, "the pool and the loop disagree"
+    return {"n": n, "workers": workers, "loop_s": loop_s, "pool_cold_s": cold_s, "pool_warm_s": warm_s,
+            "ratio_cold": cold_s / loop_s, "ratio_warm": warm_s / loop_s, "accuracy_of_pairs": sum(loop) / n, **metrics}
+
+
+if __name__ == "__main__":
+    import argparse
+    p = argparse.ArgumentParser(description="python reward.py bench: the reward pool's throughput against a "
+                                            "single-process loop (issue 6, acceptance 5)")
+    p.add_argument("command", choices=["bench"])
+    p.add_argument("--n", type=int, default=1000, help="math answers to score")
+    p.add_argument("--workers", type=int, default=2, help="worker processes")
+    args = p.parse_args()
+    print(json.dumps(bench(args.n, args.workers), indent=1))

@@ -92,8 +92,8 @@ def test_local_data_directory_via_load_dataset(tmp_path):
 def test_verifier_column_default_and_limit(tmp_path):
     objs = [{"q": "1+1=", "a": 2, "v": "tiny"}, {"q": "2+2=", "a": 4.5}, {"q": "3+3=", "a": "6", "v": None}]
     path = write_jsonl(tmp_path / "v.jsonl", objs)
-    rows = data.load_rows(path, prompt_key="q", answer_key="a", verifier_key="v", default_verifier="code")
-    assert [(r["answer"], r["verifier"]) for r in rows] == [("2", "tiny"), ("4.5", "code"), ("6", "code")]
+    rows = data.load_rows(path, prompt_key="q", answer_key="a", verifier_key="v", default_verifier="math_boxed")
+    assert [(r["answer"], r["verifier"]) for r in rows] == [("2", "tiny"), ("4.5", "math_boxed"), ("6", "math_boxed")]
     assert len(data.load_rows(path, prompt_key="q", answer_key="a", limit=2)) == 2
 
 
@@ -210,3 +210,118 @@ def test_draw_order_seeds_differ_and_edge_cases():
     assert data.draw_order(1, 0, 5, 3) == [0, 0, 0]
     with pytest.raises(AssertionError):
         data.draw_order(0, 0, 0, 1)
+
+
+# ---- Reasoning Gym rows and weighted mixtures
+
+def test_rg_rows_are_generated_locally_and_score_their_own_answers():
+    import reward
+    rows = data.rg_rows("rg:chain_sum:5", seed=0)
+    assert len(rows) == 5 and data.rg_rows("rg:chain_sum:5", seed=0) == rows  # deterministic in the seed
+    assert data.rg_rows("rg:chain_sum:5", seed=1) != rows
+    assert [r["where"] for r in rows] == [f"rg:chain_sum:{i}" for i in range(5)]
+    for r in rows:
+        entry = json.loads(r["answer"])
+        assert r["verifier"] == "rg" and entry["dataset"] == "chain_sum"
+        assert r["prompt"].endswith(data.RG_INSTRUCTION)
+        assert reward.rg_reward(f"<answer>{entry['answer']}</answer>", r["answer"]) == 1.0
+        assert reward.rg_reward(f"<answer>{int(entry['answer']) + 1}</answer>", r["answer"]) == 0.0
+    assert len(data.rg_rows("rg:chain_sum", seed=0, size=7)) == 7
+
+
+def test_rg_rows_bad_specs():
+    with pytest.raises(ValueError, match="no dataset 'chain_summ'"):
+        data.rg_rows("rg:chain_summ", seed=0)
+    with pytest.raises(ValueError, match="rg:NAME:SIZE"):
+        data.rg_rows("rg:chain_sum:many", seed=0)
+
+
+def test_parse_mixture():
+    assert data.parse_mixture("a.jsonl") == [("a.jsonl", 1.0)]
+    assert data.parse_mixture("a.jsonl@0.7, rg:chain_sum:50@0.3") == [("a.jsonl", 0.7), ("rg:chain_sum:50", 0.3)]
+    for bad in ("a.jsonl@0", "a.jsonl@-1", "a.jsonl@x", "@0.5", "a.jsonl,,b"):
+        with pytest.raises(ValueError, match="SOURCE@WEIGHT"):
+            data.parse_mixture(bad)
+
+
+def test_mix_follows_the_weights_and_keeps_verifiers():
+    math_rows = [{"prompt": f"m{i}", "answer": "1", "verifier": "math"} for i in range(30)]
+    rg = [{"prompt": f"r{i}", "answer": "{}", "verifier": "rg"} for i in range(10)]
+    mixed = data.mix([(math_rows, 0.25), (rg, 0.75)], seed=0)
+    # 40 rows in all: 10 math (a subset, each once) and 30 puzzles (each of the 10 three times)
+    assert len(mixed) == 40
+    assert sum(r["verifier"] == "math" for r in mixed) == 10
+    assert len({r["prompt"] for r in mixed if r["verifier"] == "math"}) == 10
+    assert sorted(r["prompt"] for r in mixed if r["verifier"] == "rg") == sorted([f"r{i}" for i in range(10)] * 3)
+    assert {r["verifier"] for r in mixed[:8]} == {"math", "rg"}  # interleaved: an eval prefix is a mixture
+    assert data.mix([(math_rows, 0.25), (rg, 0.75)], seed=0) == mixed  # deterministic, so resume is exact
+    assert data.mix([(math_rows, 0.25), (rg, 0.75)], seed=1) != mixed
+    # the stream over the mixture: a resumed draw continues the same sequence
+    stream = [mixed[i]["prompt"] for i in data.draw_order(len(mixed), 0, 0, 100)]
+    assert [mixed[i]["prompt"] for i in data.draw_order(len(mixed), 0, 60, 40)] == stream[60:]
+
+
+# ---- data cleaning (UloRL 3.4)
+
+@pytest.mark.parametrize("prompt, flagged", [
+    ("Find x. (a) x+1=2 (b) x-1=0", True),
+    ("(1) compute a;\n(2) compute b", True),
+    ("Part 1: do x. Part 2: do y", True),
+    ([{"role": "user", "content": "(i) Show f is odd.\n(ii) Find f(0)."}], True),
+    ("What is (1)?", False),
+    ("Compute f(a)+f(b) for a=1, b=2.", False),
+    ("g(1) and g(2)", False),
+    ("3+4=", False),
+])
+def test_multi_question(prompt, flagged):
+    assert (data.multi_question(prompt) is not None) is flagged
+
+
+def test_long_answer():
+    assert data.long_answer(r"\begin{pmatrix}1 & 0\end{pmatrix}", 64) == "matrix or array answer"
+    assert data.long_answer("x" * 65, 64) == "answer of 65 characters > 64"
+    assert data.long_answer("x" * 64, 64) is None
+
+
+def test_clean_cli_with_the_tiny_model(tmp_path, capsys):
+    """The real CLI on the tiny model: problems it always solves go, wrong references that the models'
+    majority contradicts go, and the report says why for every dropped row."""
+    rows = tiny.make_rows(20, seed=5)
+    wrong = [dict(r, answer=str(int(r["answer"]) + 10)) for r in tiny.make_rows(6, seed=6)]
+    extra = [{"prompt": "(a) 3+4= (b) 5+6=", "answer": "7", "verifier": "tiny", "note": "multi"},
+             {"prompt": "3+4=", "answer": r"\begin{pmatrix}7\end{pmatrix}", "verifier": "tiny", "note": "matrix"}]
+    objs = [dict(r, id=i) for i, r in enumerate(rows + wrong + extra)]  # an extra column, kept in the output
+    src = write_jsonl(tmp_path / "in.jsonl", objs)
+    out = str(tmp_path / "out.jsonl")
+    data.main(["clean", src, out, "--model", tiny.CKPT, "--k", "4", "--majority-models", f"{tiny.CKPT},{tiny.CKPT}",
+               "--max-tokens", "64", "--engine", "hf", "--temperature", "1.0"])
+    report = json.load(open(str(tmp_path / "out.report.json")))
+    reasons = {int(d["where"].rsplit(":", 1)[1]) - 1: d for d in report["dropped_rows"]}  # jsonl lines count from 1
+    kept = [json.loads(line) for line in open(out)]
+    assert [o["id"] for o in kept] == [o["id"] for o in objs if o["id"] not in reasons]  # as read, in order
+    assert report["rows"] == len(objs) and report["kept"] == len(kept)
+    assert sum(report["dropped"].values()) == len(reasons)
+    assert reasons[26]["reason"] == "multi_question" and reasons[27]["reason"] == "long_answer"
+    for i in range(20, 26):  # every wrong reference is caught by the majority (the model adds well)
+        assert reasons[i]["reason"] == "majority_disagrees", reasons.get(i)
+        assert f"the reference is '{objs[i]['answer']}'" in reasons[i]["detail"]
+    easy = [i for i, d in reasons.items() if d["reason"] == "solved_k_of_k"]
+    assert easy and all(i < 20 for i in easy)  # only true references can be solved 4 of 4 times
+    assert kept, "at temperature 1 some problems are not solved every time"
+    assert f"{len(objs)} rows, kept {len(kept)}" in capsys.readouterr().out
+
+
+def test_code_and_ifeval_answers_are_checked_when_loaded(tmp_path):
+    tests = {"inputs": ["1"], "outputs": ["2"]}
+    good = [{"prompt": "add one", "answer": tests, "verifier": "code"},  # a nested column: stored as JSON
+            {"prompt": "be brief", "answer": json.dumps([{"type": "max_words", "n": 5}]), "verifier": "ifeval"}]
+    rows = data.load_rows(write_jsonl(tmp_path / "ok.jsonl", good))
+    assert json.loads(rows[0]["answer"]) == tests and rows[1]["answer"] == good[1]["answer"]
+    for i, (obj, match) in enumerate([
+            ({"prompt": "p", "answer": {"inputs": ["1"]}, "verifier": "code"}, "equal, non-zero"),
+            ({"prompt": "p", "answer": "{oops", "verifier": "code"}, "not JSON"),
+            ({"prompt": "p", "answer": [{"type": "max_words"}], "verifier": "ifeval"}, "missing or bad parameter"),
+            ({"prompt": "p", "answer": [{"type": "rhymes"}], "verifier": "ifeval"}, "must be one of")]):
+        path = write_jsonl(tmp_path / f"bad{i}.jsonl", [good[1], obj])
+        with pytest.raises(ValueError, match=rf"bad{i}.jsonl:2: field 'answer' \(the answer of a '\w+' row\).*{match}"):
+            data.load_rows(path)

@@ -1,9 +1,12 @@
-"""Tests for reward.py: answer extraction, math equivalence, the tiny task, overlong handling, and the
-worker pool's ordering, error and timeout accounting. Values are computed by hand.
+"""Tests for reward.py: answer extraction, math equivalence (a table of cases written for issue 6, and
+adversarial inputs), the tiny task, Reasoning Gym and instruction-following rewards, the generative verifier
+(with real, tiny judge models trained here in seconds), overlong handling, and the worker pool's ordering,
+error and timeout accounting. Values are computed by hand. (Code rewards: tests/test_sandbox.py.)
 
-    python -m pytest tests/test_reward.py -q
+    OMP_NUM_THREADS=1 python -m pytest tests/test_reward.py -q
 """
 
+import json
 import os
 import time
 
@@ -195,3 +198,304 @@ def test_score_batch_kills_hanging_check_and_recovers(monkeypatch):
     assert scores == [1.0, 1.0]
     assert metrics == {"reward/timeouts": 0, "reward/errors": 0}
     assert len(reward._POOL) == 2 and all(w.proc.is_alive() for w in reward._POOL)
+
+
+# ---------------------------------------------------------------------------- the math table (issue 6, acceptance 1)
+
+def B(s):
+    return "so the answer is \\boxed{" + s + "}."
+
+
+MATH_TABLE = [
+    # fractions
+    (B(r"\frac{1}{2}"), "1/2", True),
+    (B(r"\dfrac{3}{4}"), r"\frac34", True),
+    (B("2/4"), "1/2", True),
+    (B(r"-\frac{1}{2}"), r"\frac{-1}{2}", True),
+    (B(r"\frac{1}{3}"), "0.33", False),
+    (B(r"\frac{2}{3}"), r"\frac{3}{2}", False),
+    (B(r"\frac{1}{0}"), "1", False),
+    # decimals vs fractions
+    (B("0.5"), r"\frac{1}{2}", True),
+    (B("0.25"), "1/4", True),
+    (B("0.75"), r"\frac{3}{5}", False),
+    (B("1.0"), "1", True),
+    (B("3.14"), r"\pi", False),
+    (B("3"), "3.0001", False),
+    (B(r"\tfrac{1}{2}"), "0.5", True),
+    # units
+    (B(r"5 \text{ cm}"), "5", True),
+    (B(r"5 \text{ meters}"), "5", True),
+    (B(r"90^\circ"), "90", True),
+    (B(r"\$5"), "5", True),
+    (B(r"10\%"), "10", True),
+    (B("27 cm"), "0.27 m", True),
+    # intervals
+    (B("[1,2)"), "[1,2)", True),
+    (B("(1,2)"), "[1,2]", False),
+    (B(r"(-\infty, 3]"), r"x \le 3", True),
+    (B(r"[0,1] \cup [2,3]"), r"[2,3] \cup [0,1]", True),
+    (B("(0,1)"), "(0,2)", False),
+    # sets
+    (B(r"\{1,2,3\}"), r"\{3,1,2\}", True),
+    (B(r"\{1,2\}"), r"\{1,2,3\}", False),
+    (B("2, 3"), "3, 2", True),
+    # LaTeX variants
+    (B(r"\sqrt{2}/2"), r"\frac{\sqrt{2}}{2}", True),
+    (B(r"2\sqrt{3}"), r"\sqrt{12}", True),
+    (B(r"\left(1, 2\right)"), "(1,2)", True),
+    (B("x^2+2x+1"), "(x+1)^2", True),
+    (B(r"\pi/2"), r"\frac{\pi}{2}", True),
+    (B("10^{3}"), "1000", True),
+    (B("1,000"), "1000", True),
+    (B("7"), "-7", False),
+    # \boxed nesting and several boxes
+    (r"\boxed{\boxed{5}}", "5", True),
+    (r"\boxed{\frac{1}{\sqrt{2}}}", r"\frac{\sqrt2}{2}", True),
+    (r"first \boxed{3}, then corrected: \boxed{4}", "4", True),
+    (r"first \boxed{3}, then corrected: \boxed{4}", "3", False),
+    (r"\boxed{x = 7}", "7", True),
+    (r"$\boxed{\text{(B)}}$", "B", True),
+    # answers with text
+    ("The answer is 12 apples.", "12", True),
+    (r"\boxed{12 \text{ apples}}", "12", True),
+    (r"\boxed{\text{one half}}", "1/2", True),
+    ("I think it is 5, no wait, 6", "5", False),
+    ("", "1", False),
+]
+
+# The pairs the rule-based check gets wrong: the ones UloRL's generative verifier is for (SPEC section 5).
+KNOWN_MISSES = {("so the answer is \\boxed{27 cm}.", "0.27 m"), (r"\boxed{\text{one half}}", "1/2")}
+
+
+def test_math_table_accuracy():
+    assert len(MATH_TABLE) >= 40
+    scores, metrics = score_batch([("math", r, a) for r, a, _ in MATH_TABLE], timeout=10.0)
+    assert metrics == {"reward/timeouts": 0, "reward/errors": 0}
+    misses = {(r, a) for (r, a, truth), s in zip(MATH_TABLE, scores) if (s == 1.0) != truth}
+    assert misses == KNOWN_MISSES  # accuracy 45 / 47 = 95.7%; a change in either direction shows here
+
+
+def test_math_boxed_has_no_fallback():
+    assert reward.VERIFIERS["math_boxed"](r"it is \boxed{0.5}", "1/2") == 1.0
+    assert reward.VERIFIERS["math_boxed"]("it is 0.5", "1/2") == 0.0
+    assert reward.VERIFIERS["math"]("it is 0.5", "1/2") == 1.0
+
+
+# ---------------------------------------------------------------------------- adversarial answers (acceptance 2)
+
+ADVERSARIAL = [
+    "7" * 1_000_000,  # a 1 MB answer (one huge number, the last-number fallback)
+    "\\boxed{" + "1+" * 500_000 + "1}",  # a 1 MB boxed answer
+    "\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}",  # 10k nested braces
+    "{" * 10_000,  # 10k unbalanced braces
+    "\\boxed{10^{10^{100}}}",  # a huge exponent: sympy would try to build the number
+    b"\\boxed{\xff\xfe\xc0}".decode("utf-8", "surrogateescape"),  # invalid UTF-8, as Python keeps it
+    b"\\boxed{\xff\xfe\xc0}".decode("utf-8", "replace"),  # invalid UTF-8, as the tokenizer decodes it
+    "",
+]
+
+
+def test_adversarial_answers_score_zero_in_time_and_the_pool_survives():
+    score_batch([("tiny", "1:1", "1")] * 2, workers=2)  # start the pool outside the timed part
+    items = [("math", r, "10") for r in ADVERSARIAL] + [("math", rf"\boxed{{{i}}}", str(i)) for i in range(20)]
+    start = time.perf_counter()
+    scores, metrics = score_batch(items, timeout=2.0, workers=2)
+    elapsed = time.perf_counter() - start
+    assert scores == [0.0] * len(ADVERSARIAL) + [1.0] * 20
+    assert metrics["reward/errors"] == 0 and metrics["reward/timeouts"] <= 1  # only the exponent may time out
+    assert elapsed < 2.0 * (metrics["reward/timeouts"] + 1) + 2.0
+    assert len(reward._POOL) == 2 and all(w.proc.is_alive() for w in reward._POOL)
+    assert score_batch([("math", r"\boxed{\frac{1}{2}}", "0.5")])[0] == [1.0]
+
+
+# ---------------------------------------------------------------------------- Reasoning Gym and instruction following
+
+@pytest.mark.parametrize("text, expected", [
+    ("<think>maybe <answer>3</answer></think> so <answer> 42 </answer>", "42"),
+    ("<answer>1</answer> then <answer>2</answer>", "2"),
+    (r"I get \boxed{7}", "7"),
+    ("thinking...\n\nfinal: abc\n", "final: abc"),
+    ("", ""),
+])
+def test_rg_extract(text, expected):
+    assert reward.rg_extract(text) == expected
+
+
+def test_rg_reward_uses_the_library_scorer():
+    import data
+    row = data.rg_rows("rg:spell_backward:3", seed=0)[0]
+    gold = json.loads(row["answer"])["answer"]
+    assert reward.rg_reward(f"<answer>{gold}</answer>", row["answer"]) == 1.0
+    assert reward.rg_reward("<answer>wrong</answer>", row["answer"]) == 0.0
+    # continuous scores come through as they are: chain_sum gives partial credit for a near miss
+    entry = json.dumps({"dataset": "chain_sum", "answer": "100", "metadata": {}})
+    partial = reward.rg_reward("<answer>101</answer>", entry)
+    assert 0.0 <= partial < 1.0
+    scores, metrics = score_batch([("rg", f"<answer>{gold}</answer>", row["answer"]), ("rg", "x", row["answer"])])
+    assert scores == [1.0, 0.0] and metrics == {"reward/timeouts": 0, "reward/errors": 0}
+
+
+def c(type_, **params):
+    return {"type": type_, **params}
+
+
+@pytest.mark.parametrize("response, constraint, met", [
+    ("one two three", c("max_words", n=3), True),
+    ("one two three four", c("max_words", n=3), False),
+    ("one two three four", c("min_words", n=4), True),
+    ("First. Second! Third?", c("max_sentences", n=2), False),
+    ("First. Second! Third?", c("min_sentences", n=3), True),
+    ("Paris is the capital.", c("include_keywords", words=["paris", "capital"]), True),
+    ("Paris is the capital.", c("include_keywords", words=["London"]), False),
+    ("Parisian food.", c("forbid_keywords", words=["paris"]), True),  # whole words only
+    ("Paris food.", c("forbid_keywords", words=["paris"]), False),
+    ('{"a": [1, 2]}', c("json_format"), True),
+    ('```json\n{"a": 1}\n```', c("json_format"), True),
+    ("{'a': 1}", c("json_format"), False),
+    ("* a\n* b\n- c\nnot one", c("bullet_points", n=3), True),
+    ("* a\n* b", c("bullet_points", n=3), False),
+    ("... Is there anything else?", c("ends_with", phrase="Is there anything else?"), True),
+    ("Dear Sir, hello", c("starts_with", phrase="Dear Sir"), True),
+    ("all lower case", c("lowercase"), True),
+    ("Not lower", c("lowercase"), False),
+    ("a, b", c("no_commas"), False),
+    ("<think>Long, Long thoughts</think>all lower", c("no_commas"), True),  # only the final text counts
+])
+def test_ifeval_constraints(response, constraint, met):
+    assert reward.ifeval_reward(response, json.dumps([constraint])) == float(met)
+
+
+def test_ifeval_reward_is_the_fraction_met():
+    answer = json.dumps([c("max_words", n=5), c("lowercase"), c("include_keywords", words=["ok"]), c("no_commas")])
+    assert reward.ifeval_reward("ok, fine", answer) == 0.75
+    assert reward.ifeval_reward("Ok fine", answer) == 0.75
+    with pytest.raises(ValueError, match="'type' must be one of"):
+        reward.ifeval_reward("x", json.dumps([c("max_words", n=1), c("rhymes")]))
+    with pytest.raises(ValueError, match="non-empty JSON list"):
+        reward.ifeval_reward("x", "[]")
+
+
+# ---------------------------------------------------------------------------- generative verifier (UloRL 3.3)
+
+@pytest.mark.parametrize("reply, verdict", [
+    ("yes", True), ("Yes.", True), ("  YES!\n", True), ("<think>27 cm is 0.27 m</think>\nyes", True),
+    ("no", False), ("No.", False), ("yes, they are equal", False), ("Yes/No", False), ("maybe", False),
+    ("**yes**", False), ("", False), ("yess", False), ("<think>yes</think> no", False),
+])
+def test_parse_verdict_is_strict(reply, verdict):
+    assert reward.parse_verdict(reply) is verdict
+
+
+def char_tokenizer():
+    """Printable ASCII, one token per character, and a chat template that ends in "Verdict: "."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + list(string.printable))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}\nVerdict: "
+    return tokenizer
+
+
+def train_judge(tokenizer, reply: str, steps: int = 40):
+    """A real 1-layer Qwen3 that has learned to answer every judge prompt with `reply` (~2 s on a CPU):
+    a judge whose verdicts the test knows, run through the real transformers engine."""
+    import random
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import data
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    model = Qwen3ForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rng = random.Random(0)
+    target = tokenizer(reply).input_ids + [tokenizer.eos_token_id]
+    for _ in range(steps):
+        prompts = [data.encode_prompt(tokenizer, reward.JUDGE_PROMPT.format(
+            question="3+4=" * rng.randint(1, 9), reference=str(rng.randint(0, 99)), prediction=str(rng.randint(0, 99))))
+            for _ in range(4)]
+        width = max(map(len, prompts)) + len(target)
+        ids = torch.full((4, width), tokenizer.pad_token_id)
+        labels = torch.full((4, width), -100)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p) + len(target)] = torch.tensor(p + target)
+            labels[i, len(p):len(p) + len(target)] = torch.tensor(target)
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def judges(tmp_path_factory):
+    """{"yes": (engine, tokenizer, checkpoint dir), "no": ...}: real models, real HF engine."""
+    from engine import make_engine
+    tokenizer = char_tokenizer()
+    out = {}
+    for reply in ("yes", "no"):
+        model = train_judge(tokenizer, reply)
+        path = str(tmp_path_factory.mktemp(f"judge_{reply}"))
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        out[reply] = (make_engine("hf", model, tokenizer, 0), tokenizer, path)
+    return out
+
+
+def test_judge_through_the_engine(judges):
+    items = [("What is 3+4?", "7", "7"), ("Length?", "27 cm", "0.27 m"), ("q", None, "1"), ("q", " ", "1"),
+             ("q", "9" * 2000, "1")]
+    for reply, verdict in (("yes", True), ("no", False)):
+        engine, tokenizer, _ = judges[reply]
+        # missing, empty and over-long predictions are a no without asking the judge
+        assert reward.judge(engine, tokenizer, items) == [verdict, verdict, False, False, False]
+    assert reward.judge(judges["yes"][0], judges["yes"][1], []) == []
+
+
+def test_judge_rewards_alone_and_second_opinion(judges):
+    rows = [{"prompt": "3+4=", "answer": "7", "verifier": "math"}] * 3 + [{"prompt": "3+4=", "answer": "7",
+                                                                            "verifier": "tiny"}]
+    responses = [r"\boxed{7}", r"\boxed{8}", "no answer here", "4=8:8"]
+    rule = [1.0, 0.0, 0.0, 0.0]
+    engine, tokenizer, _ = judges["yes"]
+    # second opinion: only the rule-based zeros of math rows are asked; "no answer" is a no without asking
+    assert reward.judge_rewards(engine, tokenizer, rows, responses, rule, "second_opinion") == ([1.0, 1.0, 0.0, 0.0], 2)
+    assert reward.judge_rewards(engine, tokenizer, rows, responses, rule, "alone") == ([1.0, 1.0, 0.0, 0.0], 3)
+    engine, tokenizer, _ = judges["no"]
+    assert reward.judge_rewards(engine, tokenizer, rows, responses, rule, "second_opinion") == ([1.0, 0.0, 0.0, 0.0], 2)
+    assert reward.judge_rewards(engine, tokenizer, rows, responses, rule, "alone") == ([0.0, 0.0, 0.0, 0.0], 3)
+    with pytest.raises(ValueError, match="verifier mode"):
+        reward.judge_rewards(engine, tokenizer, rows, responses, rule, "sometimes")
+
+
+def test_train_score_loads_the_judge_by_name(judges):
+    """train.score with --verifier-model: the judge is loaded from its directory on first use (tiny policy)."""
+    import tiny  # here, not at the top: pool workers import this file to find _hang & co, and must stay light
+    import train
+    from segment_rollout import Sample
+    policy_tok = tiny.make_tokenizer()
+    rows = [{"prompt": "3+4=", "answer": "7", "verifier": "math"},
+            {"prompt": "3+4=", "answer": "7", "verifier": "tiny"}]
+    samples = []
+    for i, (row, text) in enumerate([(rows[0], "4=7:7"), (rows[0], "4=8:8"), (rows[1], "4=8:8")]):
+        ids = policy_tok(text).input_ids + [policy_tok.eos_token_id]
+        samples.append(Sample(i, 0, policy_tok(row["prompt"]).input_ids, row, tokens=ids, finish="eos"))
+    for mode, reply, expected, calls in (("off", "yes", [1.0, 0.0, 0.0], None),
+                                         ("second_opinion", "yes", [1.0, 1.0, 0.0], 1),
+                                         ("alone", "no", [0.0, 0.0, 0.0], 2)):
+        cfg = train.parse_config(["--verifier-model", judges[reply][2], "--verifier-mode", mode])
+        metrics = train.score(samples, policy_tok, cfg)
+        assert [s.reward for s in samples] == expected, mode
+        assert metrics.pop("reward/judge_calls", None) == calls  # math rows asked: the tiny row never is
+        assert metrics == {"reward/timeouts": 0, "reward/errors": 0}
+    assert set(train._JUDGES) == {judges["yes"][2], judges["no"][2]}
