@@ -146,12 +146,13 @@ def test_nan_loss_skips_the_update():
         groups.append([Sample(2 * g + i, g, prompt, {}, tokens=response, logprobs=[-0.1] * n, versions=[0] * n,
                               seg_starts=[0], finish="eos", reward=r) for i, r in enumerate(rewards)])
     before = {k: v.clone() for k, v in policy.state_dict().items()}
-    m = train.train_on(policy, None, opt, sched, groups, 0, tok.pad_token_id, cfg)
+    trainer = train.model_lib.wrap(policy, "none")
+    m = train.train_on(trainer, None, opt, sched, groups, 0, tok.pad_token_id, cfg)
     assert m["train/skipped_updates"] == 1 and m["train/optimizer_steps"] == 0
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
     assert not opt.state  # nothing of the NaN step reached the optimizer
     json.dumps(m, allow_nan=False)  # and the record stays valid JSON
-    m = train.train_on(policy, None, opt, sched, groups[:1], 0, tok.pad_token_id, cfg)  # good data trains again
+    m = train.train_on(trainer, None, opt, sched, groups[:1], 0, tok.pad_token_id, cfg)  # good data trains again
     assert m["train/optimizer_steps"] == 1
     assert not all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
 

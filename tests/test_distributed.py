@@ -1,0 +1,92 @@
+"""torchrun on CPU (gloo): two trainer ranks under FSDP2 or DDP train the same weights as one process on
+the same global batch, and a sharded run resumes exactly. Each run is a real `torchrun --nproc-per-node 2
+train.py` on the tiny model; rank 0 rolls out (so the batches are the same as in one process) and every
+rank trains on its share.
+
+    python -m pytest tests/test_distributed.py -q        # ~2 minutes on 2 cores
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARGS = ["--eval-data", "", "--train-groups", "4", "--prompts-per-step", "4", "--max-response-len", "32",
+        "--segments", "4", "--dump-samples", "0", "--save-every", "1", "--keep-last", "0"]
+
+
+def run(out, *extra, ranks=2):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)] if ranks > 1 \
+        else [sys.executable]
+    proc = subprocess.run([*launcher, "train.py", *ARGS, "--out", str(out), *extra], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def weights(out, step):
+    return load_file(os.path.join(out, f"step_{step:06d}", "model.safetensors"))
+
+
+def rel_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a)
+
+
+def records(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dist")
+    run(d / "one", "--steps", "3", ranks=1)
+    run(d / "fsdp", "--steps", "4", "--parallel", "fsdp")
+    run(d / "ddp", "--steps", "3", "--parallel", "ddp")
+    return d
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_two_ranks_train_the_weights_of_one_process(runs, parallel):
+    one, two = weights(runs / "one", 3), weights(runs / parallel, 3)
+    start = load_file(os.path.join(ROOT, "tiny_ckpt", "model.safetensors"))
+    moved = rel_diff({k: one[k] for k in start}, start)
+    assert moved > 1e-3, "three steps of training must move the weights"
+    assert rel_diff(one, two) < 1e-4, f"{parallel}: {rel_diff(one, two):.2e} vs one process (training moved {moved:.2e})"
+    # the same rollouts and rewards: rank 0 samples as the single process does, and the gap between the
+    # engine's log-probs and the (sharded) trainer's stays at rounding level
+    a, b = records(runs / "one")[:3], records(runs / parallel)[:3]
+    assert [r["reward/trained_mean"] for r in a] == [r["reward/trained_mean"] for r in b]
+    assert [r["tokens/generated"] for r in a] == [r["tokens/generated"] for r in b]
+    for r, s in zip(a, b):
+        assert abs(r["mpt/masked_frac"] - s["mpt/masked_frac"]) < 1e-9
+        assert abs(r["entropy/mean"] - s["entropy/mean"]) < 1e-5
+        assert s["rollout/logprob_diff_max"] < 1e-4
+
+
+def test_sharded_checkpoint_resumes_exactly(runs, tmp_path):
+    out = tmp_path / "resumed"
+    run(out, "--steps", "2", "--parallel", "fsdp")
+    assert sorted(os.listdir(out / "step_000002")) == sorted(os.listdir(runs / "fsdp" / "step_000002"))
+    assert {"trainer_state_rank0.pt", "trainer_state_rank1.pt"} <= set(os.listdir(out / "step_000002"))
+    run(out, "--steps", "4", "--parallel", "fsdp", "--resume", "auto")
+    straight, resumed = weights(runs / "fsdp", 4), weights(out, 4)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight), rel_diff(straight, resumed)
+    drop = {"time/step_s", "time/rollout_s", "tokens/per_s"}
+    assert [{k: v for k, v in r.items() if k not in drop} for r in records(out)] == \
+           [{k: v for k, v in r.items() if k not in drop} for r in records(runs / "fsdp")]
+    # the gathered checkpoint is a plain HF model
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(out / "step_000004")
+
+
+def test_resume_on_another_world_size_is_refused(runs, tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", *ARGS, "--out", str(tmp_path), "--steps", "5",
+                           "--resume", str(runs / "fsdp" / "step_000002")], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert proc.returncode != 0 and "saved by 2 trainer process(es), resumed with 1" in proc.stderr
