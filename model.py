@@ -34,7 +34,7 @@ def yarn_overrides(config, factor: float, original_max_positions: int = 0) -> di
 
 
 def load(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradient_checkpointing: bool = False,
-         rope_scaling_factor: float = 0.0, rope_original_max_positions: int = 0):
+         rope_scaling_factor: float = 0.0, rope_original_max_positions: int = 0, attn_implementation: str = "sdpa"):
     """A hub name or a local directory. Weights are read from safetensors only (no pickle).
     rope_scaling_factor > 0 turns on YaRN (yarn_overrides)."""
     if os.path.sep in name_or_path and not os.path.isdir(name_or_path):
@@ -46,13 +46,13 @@ def load(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradien
     for key, value in yarn_overrides(config, rope_scaling_factor, rope_original_max_positions).items():
         setattr(config, key, value)  # what vLLM does with hf_overrides
     model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=DTYPES[dtype],
-                                                 use_safetensors=True)
+                                                 use_safetensors=True, attn_implementation=attn_implementation)
     if gradient_checkpointing:  # recompute each decoder layer in the backward (non-reentrant checkpoint)
         model.gradient_checkpointing_enable()
     return model.to(device), tokenizer
 
 
-def response_logprobs(model, mb: dict, temperature: float, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+def response_logprobs(model, mb: dict, temperature: float, chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob and entropy of every response token of a micro-batch (ulorl.collate, packed or padded),
     as [b, T] (0 on padding). Only the N real response positions go through the lm_head, in chunks
     (loss.token_logprobs). use_cache=False matters for packed rows: with a KV cache transformers skips the

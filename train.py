@@ -91,8 +91,11 @@ class Config:
                               "(UloRL 1024 = 128 x 8; ProRL 64 prompts x 16)")
     max_tokens_per_micro_batch: int = flag(4096, "tokens per forward/backward micro-batch: one packed row, "
                                                  "or rows x longest with --pack false; a longer sample goes alone")
-    pack: bool = flag(True, "pack micro-batches: sequences back to back in one row, no padding and no "
-                            "attention across them (false: pad each row to the longest); same loss either way")
+    pack: bool = flag(False, "pack micro-batches: sequences back to back in one row, positions restarting, no "
+                             "attention across them; same loss as padding. Pays off with --attn-implementation "
+                             "flash_attention_2; with sdpa/eager the row gets a dense [L, L] mask (slower on CPU)")
+    attn_implementation: str = flag("sdpa", "the trainer's attention kernel: sdpa, eager, or flash_attention_2 "
+                                            "(GPU, needs the flash-attn package; the one for --pack)")
     gradient_checkpointing: bool = flag(False, "recompute each decoder layer in the backward: less activation "
                                                "memory for long sequences, ~1/3 more compute")
     lr: float = flag(3e-4, "AdamW learning rate, constant after warm-up (UloRL 1e-6, ProRL 2e-6)")
@@ -686,12 +689,13 @@ def main(cfg: Config) -> None:
     mixed = dp.mode == "fsdp" and cfg.dtype == "bfloat16" and cfg.device.startswith("cuda")
     lm, tokenizer = model_lib.load(resume_from or cfg.model, "float32" if mixed else cfg.dtype, cfg.device,
                                    cfg.gradient_checkpointing, cfg.rope_scaling_factor,
-                                   cfg.rope_original_max_positions)
+                                   cfg.rope_original_max_positions, cfg.attn_implementation)
     ref_lm = None
     if cfg.kl_coef > 0:
         ref_path = os.path.join(resume_from, "reference") if resume_from else cfg.model
         ref_lm = model_lib.load(ref_path, "float32" if mixed else cfg.dtype, cfg.device, False,
-                                cfg.rope_scaling_factor, cfg.rope_original_max_positions)[0].eval().requires_grad_(False)
+                                cfg.rope_scaling_factor, cfg.rope_original_max_positions,
+                                cfg.attn_implementation)[0].eval().requires_grad_(False)
     # In one process the transformers engine samples with the trainer's own module; under torchrun, with a
     # copy on rank 0. vLLM in a torchrun rank would join torchrun's process group and wait for the other
     # ranks forever; running it beside the trainers (--rollout-gpus, NCCL weight transfer) is not built yet.

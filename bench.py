@@ -1,0 +1,488 @@
+"""Benchmarks that print ratios measured side by side in one run (issue 8). Never part of the tests
+(tests/test_bench.py only runs each mode at a trivial size); timings live here and in the README.
+
+    python bench.py segments                    # 1/2/4/8 segments on the tiny task's long tail, interleaved
+    python bench.py segments --task controlled  # 90% short responses, 10% that run to the cap
+    python bench.py trl                         # TRL's GRPOTrainer vs ulorl (1 and 4 segments), alternating
+    python bench.py memory                      # chunked log-prob/entropy vs naive, forward + backward
+    python bench.py memory --big                # ... plus the 8k x 151,936 point (naive needs ~15 GB)
+
+Every mode prints a table and, last, one JSON line with its figures. Unknown flags of `segments` and `trl`
+go to train.py (e.g. `--prompts-per-step 8`), so a benchmark runs exactly what `python train.py` runs.
+
+How the runs are interleaved (the machine is noisy, so nothing is compared across separate runs):
+- segments: one training run per variant, advanced in chunks of --chunk steps in rotating order
+  (1,2,4,8 / 2,4,8,1 / ...). Each chunk ends in a checkpoint and the next resumes from it (train.py's exact
+  resume), so every variant is one continuous run and a slow minute of the machine hits all of them. A first
+  round of --warmup steps per variant is not measured: with S segments the unfinished pool needs about S
+  steps to fill, and 1 segment would otherwise look better than it is.
+- trl: rounds of TRL chunk / ulorl 1-segment chunk / ulorl 4-segment chunk, in rotating order; the first
+  step of every chunk (trainer construction, lazy init) is dropped for all of them.
+- memory: every (variant, length) point runs in its own fresh process; peak = VmHWM - VmRSS right before
+  the forward (the kernel's high-water mark, reset through /proc/self/clear_refs).
+
+Decode-slot utilisation = generated tokens / (batch rows x decode steps) over every engine call, where a
+call's decode steps are its longest generation: a static batch (the transformers engine) keeps every row's
+slot busy until the last row stops. For vLLM's continuous batching the number is a lower bound.
+"""
+import argparse
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+PAPER = {1: 1.0, 2: 1240 / 774, 4: 1240 / 601}  # UloRL section 3.1: 1240 s, 774 s, 601 s per step (64k outputs)
+
+
+# ----------------------------------------------------------------------------------- shared pieces
+
+class CountingEngine:
+    """The real engine, plus counters of generated tokens and static-batch decode slots. Attributes other
+    than `generate` (update_weights, rng_state, ...) go straight to the real engine; extra keyword arguments
+    of generate (e.g. a future `keys=`) pass through untouched."""
+
+    def __init__(self, inner, counts: dict):
+        self.inner, self.counts = inner, counts
+
+    def generate(self, prompts, max_tokens, sampling, **kw):
+        t0 = time.time()
+        gens = self.inner.generate(prompts, max_tokens, sampling, **kw)
+        self.counts["generate_s"] += time.time() - t0
+        n = [len(g.tokens) for g in gens]
+        self.counts["tokens"] += sum(n)
+        self.counts["slots"] += len(n) * max(n, default=0)  # rows x decode steps of this call
+        self.counts["decode_steps"] += max(n, default=0)
+        self.counts["calls"] += 1
+        self.counts["prefill"] += len(prompts) * max(map(len, prompts), default=0)  # left-padded context
+        return gens
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+COUNTS = {"tokens": 0, "slots": 0, "decode_steps": 0, "calls": 0, "prefill": 0, "generate_s": 0.0}  # per variant
+
+
+@functools.cache
+def load_train():
+    """train.py, set up for benchmarking: its engines counted, the tiny rows drawn once. Imported here, not at
+    the top, so that `memory`'s measuring processes start without transformers (~6 s each on a busy machine)."""
+    import tiny
+    import train
+    import transformers
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars at every chunk drown the tables
+    tiny.make_rows = functools.cache(tiny.make_rows)  # train.main draws the same 100k tiny rows every chunk: ~1.5 s
+    make_engine = train.make_engine
+    train.make_engine = lambda *a, **k: CountingEngine(make_engine(*a, **k), COUNTS)
+    return train
+
+
+def run_chunk(flags: list[str], out: str, steps: int, log) -> list[dict]:
+    """Advance the run in `out` to `steps` steps (resuming from its newest checkpoint) and return the
+    metrics.jsonl records of the steps it ran. train.py's own stdout goes to `log`."""
+    train = load_train()
+    path = os.path.join(out, "metrics.jsonl")
+    done = 0
+    if os.path.exists(path):
+        with open(path) as f:
+            done = max((json.loads(line)["step"] for line in f if line.strip()), default=0)
+    cfg = train.parse_config(flags + ["--out", out, "--steps", str(steps), "--resume", "auto"])
+    with contextlib.redirect_stdout(log):
+        train.main(cfg)
+    with open(path) as f:
+        return [r for r in map(json.loads, filter(str.strip, f)) if r["step"] > done]
+
+
+def controlled_data(path: str, n: int, seed: int, long_frac: float = 0.1) -> str:
+    """Tiny-task prompts with a controlled long tail: 2 terms (a 6-token response) or, with probability
+    `long_frac`, 12 terms (~58 tokens: at the default 64-token cap)."""
+    import random
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            terms = [rng.randint(1, 9) for _ in range(12 if rng.random() < long_frac else 2)]
+            f.write(json.dumps({"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms)),
+                                "verifier": "tiny"}) + "\n")
+    return path
+
+
+def clean(x):
+    """JSON has no NaN: None instead, and floats rounded."""
+    if isinstance(x, dict):
+        return {k: clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [clean(v) for v in x]
+    if isinstance(x, float):
+        return None if x != x else round(x, 4)
+    return x
+
+
+def mean(xs):
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def div(a, b):
+    return a / b if b else float("nan")
+
+
+def sem(xs):
+    return statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("nan")
+
+
+def rotate(xs: list, r: int) -> list:
+    return xs[r % len(xs):] + xs[:r % len(xs)]
+
+
+# ------------------------------------------------------------------------------------------ segments
+
+def bench_segments(args, train_flags: list[str]) -> dict:
+    work = args.dir or tempfile.mkdtemp(prefix="bench_segments_")
+    os.makedirs(work, exist_ok=True)
+    base = ["--eval-data", "", "--dump-samples", "0", "--save-every", "0", "--keep-last", "1", "--seed", str(args.seed)]
+    if args.task == "controlled":
+        base += ["--data", controlled_data(os.path.join(work, "controlled.jsonl"), 20_000, args.seed)]
+    variants = [int(s) for s in args.segments.split(",")]
+    recs = {s: [] for s in variants}
+    counts = {s: dict.fromkeys(COUNTS, 0) for s in variants}
+    by_round = {s: [] for s in variants}  # mean reward of each measured round
+    log = open(os.path.join(work, "train_stdout.log"), "a")
+    print(f"segments bench in {work}: variants {variants}, warm-up {args.warmup} steps, then {args.rounds} "
+          f"rounds x {args.chunk} steps, torch threads {torch.get_num_threads()}", flush=True)
+    t_start = time.time()
+    for r in range(args.rounds + 1):  # round 0 = warm-up, not measured
+        target = args.warmup + r * args.chunk
+        for s in rotate(variants, r):
+            before = dict(COUNTS)
+            got = run_chunk(base + train_flags + ["--segments", str(s)], os.path.join(work, f"seg{s}"), target, log)
+            if r == 0:
+                continue
+            recs[s] += got
+            for k in COUNTS:
+                counts[s][k] += COUNTS[k] - before[k]
+            by_round[s].append(mean([x["reward/mean"] for x in got if x["reward/mean"] is not None]))
+        print(f"  round {r}/{args.rounds} done ({time.time() - t_start:.0f}s)", flush=True)
+
+    rows = {}
+    for s in variants:
+        rs = recs[s]
+        t = sum(x["time/step_s"] for x in rs)
+        rows[s] = {"step_s": mean([x["time/step_s"] for x in rs]),
+                   "step_s_median": statistics.median(x["time/step_s"] for x in rs),
+                   "rollout_s": mean([x["time/rollout_s"] for x in rs]),
+                   "samples_per_s": sum(x["train/samples"] for x in rs) / t,
+                   "tokens_per_s": sum(x["tokens/generated"] for x in rs) / t,
+                   "utilisation": counts[s]["tokens"] / max(counts[s]["slots"], 1),
+                   "decode_steps_per_step": counts[s]["decode_steps"] / len(rs),
+                   "engine_calls_per_step": counts[s]["calls"] / len(rs),
+                   "prefill_per_step": counts[s]["prefill"] / len(rs),
+                   "generate_s": counts[s]["generate_s"] / len(rs),
+                   "reward": mean([x["reward/mean"] for x in rs if x["reward/mean"] is not None]),
+                   "reward_sem": sem([x["reward/mean"] for x in rs if x["reward/mean"] is not None]),
+                   "trained_reward": mean([x["reward/trained_mean"] for x in rs]),
+                   "mean_len": mean([x["response/mean_len"] for x in rs])}
+    one = rows[variants[0]]
+    print(f"\n{'segments':>8} | {'step s':>7} | {'rollout s':>9} | {'generate s':>10} | {'samples/s':>9} | "
+          f"{'speedup':>7} | {'paper':>5} | {'util':>5} | {'calls':>5} | {'prefill tok':>11} | {'decode steps':>12} | "
+          f"{'fewer steps':>11} | {'reward':>14} | {'mean len':>8}")
+    for s, x in rows.items():
+        paper = f"{PAPER[s]:.2f}" if s in PAPER else "  -  "
+        print(f"{s:8d} | {x['step_s']:7.2f} | {x['rollout_s']:9.2f} | {x['generate_s']:10.2f} | "
+              f"{x['samples_per_s']:9.1f} | {x['samples_per_s'] / one['samples_per_s']:6.2f}x | {paper:>5} | "
+              f"{x['utilisation']:5.2f} | {x['engine_calls_per_step']:5.1f} | {x['prefill_per_step']:11.0f} | "
+              f"{x['decode_steps_per_step']:12.1f} | "
+              f"{div(one['decode_steps_per_step'], x['decode_steps_per_step']):10.2f}x | "
+              f"{x['reward']:.3f} +- {x['reward_sem']:.3f} | {x['mean_len']:8.1f}")
+    print("(per optimizer step: step s = the whole step; rollout s = generation + rewards + pools; generate s = "
+          "inside engine.generate; calls = engine calls; prefill tok = rows x longest context, summed over calls; "
+          "decode steps = the calls' longest generations, summed; fewer steps = 1 segment's decode steps / these: "
+          "the rollout speedup where a decode step costs the same however many rows are busy, as in memory-bound "
+          "GPU decoding: a count, not a timing)")
+    print("reward by round (mean reward of the groups completed in each round's steps):")
+    for s in variants:
+        print(f"{s:8d} | " + " ".join(f"{v:.3f}" for v in by_round[s]))
+    return {"bench": "segments", "task": args.task, "segments": variants,
+            "speedup": [round(rows[s]["samples_per_s"] / one["samples_per_s"], 3) for s in variants],
+            "utilisation": [round(rows[s]["utilisation"], 3) for s in variants],
+            "reward": [round(rows[s]["reward"], 3) for s in variants],
+            "reward_sem": [round(rows[s]["reward_sem"], 3) for s in variants],
+            "step_s": [round(rows[s]["step_s"], 3) for s in variants],
+            "rollout_s": [round(rows[s]["rollout_s"], 3) for s in variants],
+            "generate_s": [round(rows[s]["generate_s"], 3) for s in variants],
+            "decode_steps": [round(rows[s]["decode_steps_per_step"], 1) for s in variants],
+            "decode_step_ratio": [div(one["decode_steps_per_step"], rows[s]["decode_steps_per_step"])
+                                  for s in variants],
+            "prefill_tokens": [round(rows[s]["prefill_per_step"]) for s in variants],
+            "reward_by_round": {str(s): [round(v, 3) for v in by_round[s]] for s in variants},
+            "steps_measured": len(recs[variants[0]]), "threads": torch.get_num_threads()}
+
+
+# ----------------------------------------------------------------------------------------------- trl
+
+def trl_reward(completions, answer, completion_ids, **kw):
+    """TRL reward function: the tiny verifier on the decoded completion; counts generated tokens."""
+    import reward
+    TRL_STATS["tokens"] += sum(len(c) for c in completion_ids)
+    rewards = [reward.tiny_reward(c, a) for c, a in zip(completions, answer)]
+    TRL_STATS["rewards"].append(mean(rewards))
+    return rewards
+
+
+TRL_STATS = {"tokens": 0, "rewards": []}
+
+
+def trl_chunk(model, tokenizer, cfg, steps: int, seed: int, work: str) -> tuple[list[float], list[float], int]:
+    """`steps` optimizer steps of TRL's GRPOTrainer with ulorl's settings. Returns (seconds of each step,
+    seconds inside model.generate of each step, generated tokens)."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import tiny
+
+    rows = tiny.make_rows(steps * cfg.prompts_per_step * 2, seed)  # a fresh draw per chunk
+    data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    n = cfg.prompts_per_step * cfg.group_size
+    tc = GRPOConfig(
+        output_dir=work, max_steps=steps, seed=seed, use_cpu=True, bf16=False, fp16=False, report_to="none",
+        save_strategy="no", logging_steps=10**6, disable_tqdm=True, gradient_checkpointing=False,
+        per_device_train_batch_size=n, gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        num_generations=cfg.group_size, max_completion_length=cfg.max_response_len,
+        temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
+        learning_rate=cfg.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.grad_clip, optim="adamw_torch",
+        beta=cfg.kl_coef, epsilon=cfg.eps_low, epsilon_high=cfg.eps_high, loss_type="dapo", scale_rewards="group",
+        dataloader_num_workers=0)
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            self.t0 = time.time()
+
+        def on_step_end(self, a, state, control, **kw):
+            times.append(time.time() - self.t0)
+
+    gen_s: list[float] = []
+
+    def timed_generate(*a, **k):  # TRL samples with model.generate; time it to split the step
+        t0 = time.time()
+        out = type(model).generate(model, *a, **k)
+        gen_s.append(time.time() - t0)
+        return out
+
+    before = TRL_STATS["tokens"]
+    trainer = GRPOTrainer(model=model, reward_funcs=trl_reward, args=tc, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[StepTimer()])
+    model.generate = timed_generate
+    try:
+        trainer.train()
+    finally:
+        del model.generate
+    return times, gen_s, TRL_STATS["tokens"] - before
+
+
+def bench_trl(args, train_flags: list[str]) -> dict:
+    if importlib.util.find_spec("trl") is None:
+        print("bench.py trl needs TRL, an optional benchmark dependency: pip install -r requirements-bench.txt "
+              "-c requirements.txt (pins trl and accelerate, keeps this project's torch and transformers)",
+              file=sys.stderr)
+        sys.exit(2)
+    import model as model_lib
+    train = load_train()
+    work = args.dir or tempfile.mkdtemp(prefix="bench_trl_")
+    os.makedirs(work, exist_ok=True)
+    # identical settings: one rollout of prompts_per_step x G, one optimizer step on all of it, DAPO token-level
+    # loss, no KL, no dynamic sampling and no DMMPTs (TRL has neither)
+    common = ["--eval-data", "", "--dump-samples", "0", "--save-every", "0", "--keep-last", "1", "--seed",
+              str(args.seed), "--dynamic-sampling", "false", "--mpt", "off", "--kl-coef", "0", *train_flags]
+    cfg = train.parse_config(common)
+    train_groups = ["--train-groups", str(cfg.prompts_per_step)]
+    policy, tokenizer = model_lib.load(cfg.model, cfg.dtype, "cpu")
+    log = open(os.path.join(work, "train_stdout.log"), "a")
+    variants = ["trl", "ulorl-1seg", "ulorl-4seg"]
+    times = {v: [] for v in variants}
+    rollout = {v: [] for v in variants}
+    tokens = {v: 0 for v in variants}
+    rewards = {v: [] for v in variants}
+    done = {v: 0 for v in variants}
+    print(f"trl bench in {work}: {args.rounds} rounds x {args.chunk} steps per variant (first step of each chunk "
+          f"dropped), {cfg.prompts_per_step} prompts x {cfg.group_size}, max {cfg.max_response_len} tokens, "
+          f"torch threads {torch.get_num_threads()}", flush=True)
+    for r in range(args.rounds):
+        for v in rotate(variants, r):
+            if v == "trl":
+                with contextlib.redirect_stdout(log):
+                    ts, gs, tok = trl_chunk(policy, tokenizer, cfg, args.chunk, args.seed + r,
+                                            os.path.join(work, "trl"))
+                times[v] += ts[1:]
+                rollout[v] += gs[1:]
+                rewards[v] += TRL_STATS["rewards"][len(TRL_STATS["rewards"]) - len(ts) + 1:]
+                tokens[v] += tok * (len(ts) - 1) / max(len(ts), 1)  # tokens of the kept steps, pro rata
+                continue
+            seg = 1 if v == "ulorl-1seg" else 4
+            done[v] += args.chunk
+            got = run_chunk(common + train_groups + ["--segments", str(seg)], os.path.join(work, v), done[v], log)
+            times[v] += [x["time/step_s"] for x in got[1:]]
+            rollout[v] += [x["time/rollout_s"] for x in got[1:]]
+            tokens[v] += sum(x["tokens/generated"] for x in got[1:])
+            rewards[v] += [x["reward/mean"] for x in got[1:] if x["reward/mean"] is not None]
+        print(f"  round {r + 1}/{args.rounds} done", flush=True)
+    med = {v: statistics.median(times[v]) if times[v] else float("nan") for v in variants}
+    tps = {v: tokens[v] / sum(times[v]) if times[v] else float("nan") for v in variants}
+    print(f"\n{'variant':>11} | {'median step s':>13} | {'mean step s':>11} | {'TRL step / this':>15} | "
+          f"{'rollout s':>9} | {'rest s':>6} | {'gen tok/s':>9} | {'reward':>6}")
+    for v in variants:
+        print(f"{v:>11} | {med[v]:13.2f} | {mean(times[v]):11.2f} | {med['trl'] / med[v]:14.2f}x | "
+              f"{mean(rollout[v]):9.2f} | {mean(times[v]) - mean(rollout[v]):6.2f} | {tps[v]:9.0f} | "
+              f"{mean(rewards[v]):6.3f}")
+    print("(rollout s: TRL's time inside model.generate, ulorl's rollout with rewards; rest s: mean step - rollout, "
+          "mostly the update; reward: mean over the rollouts)")
+    return {"bench": "trl", "variants": variants, "median_step_s": [round(med[v], 3) for v in variants],
+            "speedup_vs_trl": [round(med["trl"] / med[v], 3) for v in variants],
+            "gen_tokens_per_s": [round(tps[v], 1) for v in variants],
+            "rollout_s": [mean(rollout[v]) for v in variants], "reward": [mean(rewards[v]) for v in variants],
+            "steps_measured": [len(times[v]) for v in variants], "threads": torch.get_num_threads()}
+
+
+# -------------------------------------------------------------------------------------------- memory
+
+def naive_logprobs(hidden, weight, targets, temperature: float = 1.0):
+    """The obvious implementation: the whole [N, V] logits at once (what loss.token_logprobs avoids)."""
+    logp = torch.log_softmax((hidden @ weight.T).float() / temperature, dim=-1)  # [N, V], kept for backward
+    token_logp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return token_logp, entropy
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def memory_point(variant: str, n: int, vocab: int, hidden: int, limit_mb: float) -> dict:
+    """One measurement, meant to run alone in a fresh process (`bench.py memory --point ...`). `variant` is
+    "naive" or "chunked:C" (loss.token_logprobs with chunk C). The address space is capped `limit_mb` above
+    the current one, so a point that would exhaust the shared machine fails alone with a MemoryError."""
+    import resource
+
+    import loss
+    torch.manual_seed(0)
+    h = torch.randn(n, hidden, requires_grad=True)
+    w = (torch.randn(vocab, hidden) * 0.02).requires_grad_(True)
+    y = torch.randint(0, vocab, (n,))
+    run = naive_logprobs if variant == "naive" else (
+        lambda *a: loss.token_logprobs(*a, 1.0, int(variant.split(":")[1])))
+    lp, ent = run(h[:8], w, y[:8])  # warm-up: lazy imports of the first checkpoint call hold ~150 MB
+    (lp.sum() + 0 * ent.sum()).backward()
+    h.grad = w.grad = lp = ent = None
+    cap = _status_kb("VmSize") * 1024 + int(limit_mb * 2**20)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    with open("/proc/self/clear_refs", "w") as f:  # reset the high-water mark to the current RSS
+        f.write("5")
+    base = _status_kb("VmRSS")
+    t0 = time.time()
+    lp, ent = run(h, w, y)
+    (lp.sum() + 0 * ent.sum()).backward()  # forward AND backward: the backward recomputes each chunk
+    return {"variant": variant, "n": n, "peak_mb": (_status_kb("VmHWM") - base) / 1024, "seconds": time.time() - t0}
+
+
+def bench_memory(args, _unused: list[str]) -> dict:
+    sizes = [int(x) for x in args.sizes.split(",")] + ([8192] if args.big else [])
+    variants = ["naive"] + [f"chunked:{c}" for c in args.chunk.split(",")]
+    points = {}
+    print(f"memory bench: forward + backward of token log-probs and entropy, vocab {args.vocab}, hidden "
+          f"{args.hidden}, fp32, 1 process per point; peak RSS above the inputs (available now: "
+          f"{_meminfo_mb('MemAvailable') / 1024:.1f} GB)", flush=True)
+    for n in sizes:
+        for variant in variants:
+            chunk = n if variant == "naive" else min(n, int(variant.split(":")[1]))
+            # measured peaks: naive ~3 [N, V] fp32 tensors, a chunk ~4 [chunk, V] (the backward's recomputation)
+            need_mb = (3.2 if variant == "naive" else 4.2) * chunk * args.vocab * 4 / 2**20
+            limit_mb = 0.85 * _meminfo_mb("MemAvailable")
+            if need_mb > limit_mb:
+                print(f"  skip {variant} n={n}: needs ~{need_mb / 1024:.1f} GB, {limit_mb / 1024:.1f} GB may be "
+                      f"used now", flush=True)
+                continue
+            cmd = [sys.executable, os.path.abspath(__file__), "memory", "--point", variant, "--sizes", str(n),
+                   "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--limit-mb", str(limit_mb)]
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode != 0:
+                print(f"  {variant} n={n} failed:\n{p.stderr[-1500:]}", flush=True)
+                continue
+            points[variant, n] = json.loads(p.stdout.strip().splitlines()[-1])
+            print(f"  {variant:>13} n={n:5d}: {points[variant, n]['peak_mb']:8.0f} MB "
+                  f"({points[variant, n]['seconds']:.1f}s)", flush=True)
+    print(f"\n{'tokens':>6} | " + " | ".join(f"{v + ' MB':>16}" for v in variants) + " | chunked / naive")
+    table = {v: [points[v, n]["peak_mb"] if (v, n) in points else None for n in sizes] for v in variants}
+    ratios = {v: [b / a if a and b and a > 0 and b > 0 else None for a, b in zip(table["naive"], table[v])]
+              for v in variants[1:]}
+    for i, n in enumerate(sizes):
+        cells = " | ".join(f"{'-' if table[v][i] is None else f'{table[v][i]:.0f}':>16}" for v in variants)
+        rs = ", ".join("-" if ratios[v][i] is None else f"1/{1 / ratios[v][i]:.1f}" for v in variants[1:])
+        print(f"{n:6d} | {cells} | {rs}")
+    return {"bench": "memory", "tokens": sizes, "vocab": args.vocab, "hidden": args.hidden,
+            "peak_mb": table, "ratio": ratios}
+
+
+def _meminfo_mb(field: str) -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/meminfo has no {field}")
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="mode", required=True)
+    s = sub.add_parser("segments", help="time per step and trained samples/s for 1, 2, 4, 8 segments",
+                       description="Any other flag goes to train.py (python train.py --help).")
+    s.add_argument("--segments", default="1,2,4,8", help="comma-separated segment counts; the first is the baseline")
+    s.add_argument("--task", default="tiny", choices=["tiny", "controlled"],
+                   help="tiny: the built-in task (P(k) ~ k^-1.5 terms); controlled: 90%% 6-token and 10%% "
+                        "~58-token responses")
+    s.add_argument("--warmup", type=int, default=8, help="unmeasured steps per variant before the first round")
+    s.add_argument("--rounds", type=int, default=6, help="measured rounds")
+    s.add_argument("--chunk", type=int, default=4, help="steps per variant per round")
+    t = sub.add_parser("trl", help="TRL's GRPOTrainer vs ulorl with 1 and 4 segments on identical settings",
+                       description="Any other flag goes to train.py and, where TRL has it, to GRPOConfig.")
+    t.add_argument("--rounds", type=int, default=4, help="rounds of one chunk per variant")
+    t.add_argument("--chunk", type=int, default=4, help="steps per variant per round (the first is dropped)")
+    for q in (s, t):
+        q.add_argument("--seed", type=int, default=0, help="seed of every run")
+        q.add_argument("--dir", default="", help="working directory for the runs (default: a fresh temporary one)")
+    m = sub.add_parser("memory", help="peak memory of chunked vs naive log-prob/entropy, forward + backward")
+    m.add_argument("--sizes", default="1024,2048,4096", help="comma-separated response token counts N")
+    m.add_argument("--big", action="store_true", help="add N = 8192 (the naive variant needs ~15 GB; skipped "
+                                                      "when the machine has less available)")
+    m.add_argument("--vocab", type=int, default=151936, help="vocabulary size (Qwen3: 151,936)")
+    m.add_argument("--hidden", type=int, default=128, help="hidden size (small: the [N, V] logits dominate)")
+    m.add_argument("--chunk", default="2048,512", help="comma-separated chunk sizes of loss.token_logprobs to "
+                                                     "measure (model.response_logprobs uses 512)")
+    m.add_argument("--point", default="", help=argparse.SUPPRESS)  # internal: one measurement in this process
+    m.add_argument("--limit-mb", type=float, default=0.0, help=argparse.SUPPRESS)
+    args, rest = p.parse_known_args(argv)
+    if args.mode == "memory" and args.point:
+        print(json.dumps(memory_point(args.point, int(args.sizes), args.vocab, args.hidden, args.limit_mb)))
+        return
+    if rest and args.mode == "memory":
+        p.error(f"unknown arguments: {' '.join(rest)}")
+    result = {"segments": bench_segments, "trl": bench_trl, "memory": bench_memory}[args.mode](args, rest)
+    print(json.dumps(clean(result)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
