@@ -143,7 +143,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(loaded):
 
 
 def test_flags_and_presets():
-    assert train.parse_config([]).pack and not train.parse_config([]).gradient_checkpointing
-    assert not train.parse_config(["--pack", "false"]).pack
+    # padding by default: with sdpa a packed row gets a dense [L, L] mask (README, "Real models")
+    assert not train.parse_config([]).pack and not train.parse_config([]).gradient_checkpointing
+    assert train.parse_config(["--pack", "true"]).pack and train.parse_config([]).attn_implementation == "sdpa"
     for preset in ("ulorl", "prorl"):
         assert train.parse_config(["--preset", preset]).gradient_checkpointing
