@@ -458,8 +458,12 @@ def train_on(policy, ref, opt, sched, groups: list[list[Sample]], version: int, 
     return out
 
 
-def reset_reference(policy_lm, ref_lm, opt) -> None:
-    """ProRL's reset: the reference becomes the current policy and AdamW forgets its moments."""
+def reset_reference(policy_lm, ref_lm, opt, ref=None) -> None:
+    """ProRL's reset: the reference becomes the current policy and AdamW forgets its moments. `ref`: the
+    reference as model.wrap()ped; under FSDP2 its root keeps full (unsharded) parameters after a forward
+    with no backward, so it is resharded first, to match the policy's shards."""
+    if hasattr(ref, "reshard"):
+        ref.reshard()
     with torch.no_grad():
         for (name, p), (ref_name, r) in zip(policy_lm.named_parameters(), ref_lm.named_parameters()):
             assert name == ref_name, (name, ref_name)
@@ -807,7 +811,7 @@ def main(cfg: Config) -> None:
         if m["train/optimizer_steps"]:
             state["version"] += 1
         if cfg.ref_reset_every and step % cfg.ref_reset_every == 0 and ref_lm is not None:
-            reset_reference(lm, ref_lm, opt)
+            reset_reference(lm, ref_lm, opt, ref)
             m["train/ref_reset"] = 1
 
         # 7. the new weights reach the engine; unfinished samples continue under them

@@ -15,8 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# with a KL reference reset every 2 steps, so that the sharded reference (forward, reset, checkpoint) is covered
 ARGS = ["--eval-data", "", "--train-groups", "4", "--prompts-per-step", "4", "--max-response-len", "32",
-        "--segments", "4", "--dump-samples", "0", "--save-every", "1", "--keep-last", "0"]
+        "--segments", "4", "--dump-samples", "0", "--save-every", "1", "--keep-last", "0",
+        "--kl-coef", "0.01", "--ref-reset-every", "2"]
 
 
 def run(out, *extra, ranks=2):
@@ -29,7 +31,9 @@ def run(out, *extra, ranks=2):
 
 
 def weights(out, step):
-    return load_file(os.path.join(out, f"step_{step:06d}", "model.safetensors"))
+    """The safetensors of checkpoint `step` in `out` (or of the folder `step`, e.g. "reference")."""
+    sub = step if isinstance(step, str) else f"step_{step:06d}"
+    return load_file(os.path.join(out, sub, "model.safetensors"))
 
 
 def rel_diff(a, b):
@@ -76,6 +80,8 @@ def test_sharded_checkpoint_resumes_exactly(runs, tmp_path):
     assert {"trainer_state_rank0.pt", "trainer_state_rank1.pt"} <= set(os.listdir(out / "step_000002"))
     run(out, "--steps", "4", "--parallel", "fsdp", "--resume", "auto")
     straight, resumed = weights(runs / "fsdp", 4), weights(out, 4)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight), rel_diff(straight, resumed)
+    straight, resumed = weights(runs / "fsdp" / "step_000004", "reference"), weights(out / "step_000004", "reference")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight), rel_diff(straight, resumed)
     drop = {"time/step_s", "time/rollout_s", "tokens/per_s"}
     assert [{k: v for k, v in r.items() if k not in drop} for r in records(out)] == \
