@@ -22,8 +22,8 @@ ARGS = ["--eval-data", "", "--train-groups", "4", "--prompts-per-step", "4", "--
 
 
 def run(out, *extra, ranks=2):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)] if ranks > 1 \
-        else [sys.executable]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] \
+        if ranks > 1 else [sys.executable]  # --standalone: a free port, not the fixed 29500
     proc = subprocess.run([*launcher, "train.py", *ARGS, "--out", str(out), *extra], cwd=ROOT, capture_output=True,
                           text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
