@@ -3,6 +3,10 @@
     python train.py                                   # tiny built-in model + task, CPU, a few minutes
     python train.py --preset ulorl --model Qwen/Qwen3-4B --data dapo.parquet --out runs/q4b
     python train.py --help                            # every knob, with the paper it comes from
+    torchrun --standalone --nproc-per-node 2 train.py --parallel fsdp   # trainer ranks: FSDP2 (or ddp)
+
+Under torchrun every process is a trainer rank; rank 0 also owns the rollout engine, the pools and the logs
+and hands each rank the step's batch (see `Parallel`).
 
 One step, in paper order (ulorl.py maps every paper component to its function):
   1-4. rollout: unfinished samples + new prompts x G decode at most one segment; finished samples are
