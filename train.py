@@ -629,9 +629,9 @@ def dump_samples(f, groups: list[list[Sample]], step: int, tokenizer, limit: int
     texts = tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
     prompts = tokenizer.batch_decode([s.prompt_ids for s in samples], skip_special_tokens=False)
     for s, text, prompt in zip(samples, texts, prompts):
-        f.write(json.dumps({"step": step, "group": s.group, "uid": s.uid, "prompt": prompt, "response": text,
-                            "n_tokens": len(s.tokens), "versions": s.segment_versions(), "finish": s.finish,
-                            "reward": s.reward}) + "\n")
+        f.write(json.dumps({"step": step, "group": s.group, "uid": s.uid, "verifier": s.row.get("verifier"),
+                            "prompt": prompt, "response": text, "n_tokens": len(s.tokens),
+                            "versions": s.segment_versions(), "finish": s.finish, "reward": s.reward}) + "\n")
     f.flush()
 
 
@@ -826,6 +826,9 @@ def main(cfg: Config) -> None:
         # 8. log, evaluate, checkpoint
         if dp.lead:
             trained = [s for g in groups for s in g]
+            for v in sorted({s.row["verifier"] for s in scored}):  # per domain: one curve each in a mixture
+                rs = [s.reward for s in scored if s.row["verifier"] == v]
+                m[f"reward/by_verifier/{v}"] = sum(rs) / len(rs)
             m.update({"step": step, "reward/mean": sum(s.reward for s in scored) / len(scored) if scored else None,
                       "reward/trained_mean": sum(s.reward for s in trained) / len(trained),
                       "response/mean_len": sum(len(s.tokens) for s in trained) / len(trained),

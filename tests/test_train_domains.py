@@ -34,6 +34,10 @@ def test_mixed_math_and_reasoning_gym_run(tmp_path):
     puzzles = [s for s in samples if "<unk>" in s["prompt"]]
     sums = [s for s in samples if "<unk>" not in s["prompt"]]
     assert puzzles and sums  # both sources were drawn
+    assert {s["verifier"] for s in puzzles} == {"rg"} and {s["verifier"] for s in sums} == {"math"}
+    for r in records:  # one reward curve per domain, consistent with the overall mean when both were scored
+        per = {k.split("/")[-1]: v for k, v in r.items() if k.startswith("reward/by_verifier/")}
+        assert set(per) <= {"math", "rg"} and per and all(0.0 <= v <= 1.0 for v in per.values())
     for s in sums:  # each math row scored by the math verifier: the last number of the response
         prompt = s["prompt"].removesuffix("=")
         right = str(sum(int(x) for x in prompt.split("+")))
