@@ -6,8 +6,8 @@ the legend names its directory). Null values (the step-0 record has no training 
 
 Writes reward.png (rollout reward and held-out accuracy), entropy.png (with DMMPTs' target sigma from the
 first run's config), masked.png, length.png (mean and max response tokens), unfinished.png, step_time.png
-and eval.png (accuracy, mean length, truncation rate of every evaluation). A figure with no data in any
-run is not written.
+and eval.png (accuracy, mean length, truncation rate of every evaluation); for a run that mixes domains,
+reward_by_verifier.png (the mean reward of each verifier). A figure with no data in any run is not written.
 """
 import argparse
 import json
@@ -96,8 +96,12 @@ def main(argv=None) -> list[str]:
     sigma = config.get("mpt_sigma")  # DMMPTs mask while a sample's entropy is below this (UloRL 3.2)
     out = args.out or args.runs[0]
     os.makedirs(out, exist_ok=True)
-    written = []
-    for fname, panels in FIGURES.items():
+    written, figures = [], dict(FIGURES)
+    domains = sorted({k for recs in runs.values() for r in recs for k in r if k.startswith("reward/by_verifier/")})
+    if len(domains) > 1:  # a mixture of domains: one reward curve per verifier
+        styles = ["-", "--", ":", "-."]
+        figures["reward_by_verifier.png"] = [("reward by verifier", [(k, styles[i % 4]) for i, k in enumerate(domains)])]
+    for fname, panels in figures.items():
         path = os.path.join(out, fname)
         if plot_figure(runs, panels, path, sigma if fname == "entropy.png" else None):
             written.append(path)

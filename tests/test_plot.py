@@ -74,3 +74,18 @@ def test_series_skips_nulls_and_step0_time(tmp_path):
 def test_missing_metrics_file_says_so(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         plot.read_metrics(str(tmp_path))
+
+
+def test_mixed_domains_get_a_reward_curve_each(tmp_path):
+    write_run(str(tmp_path / "mixed"), seed=0)
+    path = tmp_path / "mixed" / "metrics.jsonl"
+    records = [json.loads(line) for line in open(path)]
+    for r in records[1:]:
+        r.update({"reward/by_verifier/math": 0.6, "reward/by_verifier/rg": 0.1})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    written = plot.main([str(tmp_path / "mixed")])
+    assert os.path.basename(written[-1]) == "reward_by_verifier.png"
+    with open(written[-1], "rb") as f:
+        assert f.read(8) == PNG_SIGNATURE
+    write_run(str(tmp_path / "single"), seed=0)  # one domain: no extra figure
+    assert "reward_by_verifier.png" not in {os.path.basename(p) for p in plot.main([str(tmp_path / "single")])}
