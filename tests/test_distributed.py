@@ -57,10 +57,12 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
 def test_two_ranks_train_the_weights_of_one_process(runs, parallel):
-    one, two = weights(runs / "one", 3), weights(runs / parallel, 3)
+    # step 2: the reference reset after it clears AdamW's moments, and Adam's first step after a reset turns
+    # rounding-level gradients into +-lr steps (2.4e-4 relative was seen at step 3), so compare before that
+    one, two = weights(runs / "one", 2), weights(runs / parallel, 2)
     start = load_file(os.path.join(ROOT, "tiny_ckpt", "model.safetensors"))
     moved = rel_diff({k: one[k] for k in start}, start)
-    assert moved > 1e-3, "three steps of training must move the weights"
+    assert moved > 1e-3, "two steps of training must move the weights"
     assert rel_diff(one, two) < 1e-4, f"{parallel}: {rel_diff(one, two):.2e} vs one process (training moved {moved:.2e})"
     # the same rollouts and rewards: rank 0 samples as the single process does, and the gap between the
     # engine's log-probs and the (sharded) trainer's stays at rounding level
@@ -96,3 +98,19 @@ def test_resume_on_another_world_size_is_refused(runs, tmp_path):
                            "--resume", str(runs / "fsdp" / "step_000002")], cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert proc.returncode != 0 and "saved by 2 trainer process(es), resumed with 1" in proc.stderr
+
+
+def test_vllm_in_its_own_process_under_torchrun(tmp_path):
+    """vLLM cannot run inside a torchrun rank (it would join torchrun's process group), so rank 0 starts it in
+    a process of its own and sends new weights as a checkpoint. Same rollouts and weights as one process with
+    the in-process engine, and the engine's log-probs match the sharded trainer's after every sync (they
+    are ~0.05 off without the CPU tied-lm_head repack after a reload)."""
+    pytest.importorskip("vllm")
+    no_reset = ["--kl-coef", "0", "--ref-reset-every", "0"]  # no optimizer reset: see the test above
+    run(tmp_path / "one", "--steps", "3", "--engine", "vllm", *no_reset, ranks=1)
+    run(tmp_path / "two", "--steps", "3", "--engine", "vllm", "--parallel", "fsdp", *no_reset)
+    assert rel_diff(weights(tmp_path / "one", 3), weights(tmp_path / "two", 3)) < 1e-4
+    a, b = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["tokens/generated"] for r in a] == [r["tokens/generated"] for r in b]
+    assert [r["reward/trained_mean"] for r in a] == [r["reward/trained_mean"] for r in b]
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in b), [r["rollout/logprob_diff_max"] for r in b]
