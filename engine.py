@@ -18,6 +18,8 @@ Without keys, each request gets a fresh key from the engine's generator (`rng_st
 HFEngine: pure PyTorch/transformers, a KV-cached sampling loop over the trainer's own module (one process:
 its weight sync has nothing to copy) or over a copy of it on rank 0 (torchrun, where the trainer's module is
 sharded). Always available; the CPU default.
+VLLMEngine: vLLM in this process (weights handed over in memory), or under torchrun in a process of its own
+(weights handed over as a checkpoint in a temporary directory).
 """
 import importlib.util
 import os
