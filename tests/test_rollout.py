@@ -22,14 +22,7 @@ from segment_rollout import Pools, Sample, rollout_step
 TOL = 1e-5  # fp32 engine (KV cache, left padding) vs one unpadded forward
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A 0.8M-parameter model gains nothing from intra-op threads, and on a busy 2-core machine their
-    spin-waits cost 5-10x: this file runs in ~2 s on one thread instead of 20-90 s on two."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
