@@ -289,13 +289,18 @@ def load_prompts(spec: str, cfg: Config, eval_set: bool = False) -> list[dict]:
 
 def draw_groups(rows, state, n_groups, tokenizer, pools: Pools, cfg: Config, metrics: dict) -> list[list[Sample]]:
     """The next n_groups prompts of the endless shuffled stream (data.draw_order), each as G samples."""
-    groups = []
+    groups, skipped = [], 0
     while len(groups) < n_groups:
         row = rows[data.draw_order(len(rows), cfg.seed, state["cursor"], 1)[0]]
         state["cursor"] += 1
         ids = data.encode_prompt(tokenizer, row["prompt"])
         if len(ids) > cfg.max_prompt_len:
             metrics["data/skipped_long_prompts"] = metrics.get("data/skipped_long_prompts", 0) + 1
+            skipped += 1
+            if skipped >= len(rows):  # a whole pass without a usable prompt: it would loop forever
+                raise ValueError(f"--data {cfg.data}: every prompt is longer than --max-prompt-len "
+                                 f"{cfg.max_prompt_len} tokens (e.g. {len(ids)}, {row.get('where', '')}); "
+                                 f"raise --max-prompt-len")
             continue
         groups.append(pools.new_group(ids, row, cfg.group_size))
     return groups

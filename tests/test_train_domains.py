@@ -43,3 +43,12 @@ def test_mixed_math_and_reasoning_gym_run(tmp_path):
         right = str(sum(int(x) for x in prompt.split("+")))
         last = s["response"].replace(":", ",").replace("=", ",").rstrip(",").split(",")[-1]
         assert s["reward"] == float(last == right and s["finish"] == "eos"), s
+
+
+def test_prompts_all_too_long_stop_with_a_message(tmp_path):
+    """Reasoning Gym prompts are longer than the tiny default's --max-prompt-len 64: the run must say so,
+    not skip prompts forever."""
+    p = subprocess.run([sys.executable, "train.py", "--data", "rg:chain_sum:20", "--steps", "1", "--eval-data", "",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode != 0 and "every prompt is longer than --max-prompt-len 64" in p.stderr, p.stderr[-2000:]
