@@ -1,4 +1,4 @@
-"""Benchmarks that print ratios measured side by side in one run (issue 8). Never part of the tests
+"""Benchmarks that print ratios measured side by side in one run. Never part of the tests
 (tests/test_bench.py only runs each mode at a trivial size); timings live here and in the README.
 
     python bench.py segments                    # 1/2/4/8 segments on the tiny task's long tail, interleaved
@@ -73,15 +73,11 @@ COUNTS = {"tokens": 0, "slots": 0, "decode_steps": 0, "calls": 0, "prefill": 0, 
 
 @functools.cache
 def load_train():
-    """train.py, set up for benchmarking: its engines counted, the tiny rows drawn once. Imported here, not at
-    the top, so that `memory`'s measuring processes start without transformers (~6 s each on a busy machine)."""
-    import tiny
+    """train.py, imported here rather than at the top, so that `memory`'s measuring processes start without
+    transformers (~6 s each on a busy machine)."""
     import train
     import transformers
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars at every chunk drown the tables
-    tiny.make_rows = functools.cache(tiny.make_rows)  # train.main draws the same 100k tiny rows every chunk: ~1.5 s
-    make_engine = train.make_engine
-    train.make_engine = lambda *a, **k: CountingEngine(make_engine(*a, **k), COUNTS)
     return train
 
 
@@ -96,7 +92,7 @@ def run_chunk(flags: list[str], out: str, steps: int, log) -> list[dict]:
             done = max((json.loads(line)["step"] for line in f if line.strip()), default=0)
     cfg = train.parse_config(flags + ["--out", out, "--steps", str(steps), "--resume", "auto"])
     with contextlib.redirect_stdout(log):
-        train.main(cfg)
+        train.main(cfg, engine_hook=lambda engine: CountingEngine(engine, COUNTS))
     with open(path) as f:
         return [r for r in map(json.loads, filter(str.strip, f)) if r["step"] > done]
 

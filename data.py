@@ -1,6 +1,8 @@
 """Prompts in, token ids out: loading rows from jsonl / json / parquet files or a Hugging Face dataset (a hub
-name, a local `save_to_disk` directory, or a local directory of data files), chat templating, and the order
-in which training draws rows.
+name, a local `save_to_disk` directory, or a local directory of data files), Reasoning Gym datasets
+generated locally (`rg:NAME[:SIZE]`), weighted mixtures of sources, the one loader train.py and eval.py
+both use (`load_prompts`), chat templating (`encode_prompt`), and the order in which training draws rows
+(`draw_order`, `draw_prompts`).
 
 A row is {"prompt": str | [{"role", "content"}, ...], "answer": str, "verifier": str, "where": "src:row"}.
 `where` points back at the source so a bad reward or a crash can be traced to its line: for .jsonl it is the
@@ -11,8 +13,7 @@ verl/DAPO parquet layout: `prompt` a list of chat messages, `--answer-key reward
 Bad rows are never skipped silently: a dataset that quietly loses half its rows trains on something other
 than the run says. Every error names the source, the row and the field.
 
-Besides files: Reasoning Gym datasets generated locally (`rg:NAME[:SIZE]`, `rg_rows`) and weighted mixtures of
-sources (`parse_mixture`, `mix`). UloRL's data cleaning (section 3.4) is the CLI at the bottom of this file:
+UloRL's data cleaning (section 3.4) is the CLI at the bottom of this file:
 
     python data.py clean IN.jsonl OUT.jsonl [--model M --k 8 ...]      # writes OUT.jsonl and OUT.report.json
 """
@@ -21,6 +22,10 @@ import json
 import os
 import random
 import re
+
+import reward
+import sandbox
+import tiny
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 MISSING = object()  # a dotted key that isn't there (a stored None is a value, and an error of its own)
@@ -141,18 +146,12 @@ def make_row(obj, where: str, prompt_key: str, answer_key: str, verifier_key: st
     return {"prompt": prompt, "answer": answer, "verifier": verifier, "where": where}
 
 
-def _check_code_answer(answer: str) -> None:
-    import sandbox
-    sandbox.parse_tests(answer)
-
-
 def _check_ifeval_answer(answer: str) -> None:
-    import reward
     reward.ifeval_reward("", answer)  # raises ValueError on a malformed list or an unknown constraint type
 
 
 # Verifiers whose answer is JSON: checked when the row is loaded, so a bad one names its row before training.
-JSON_ANSWERS = {"code": _check_code_answer, "ifeval": _check_ifeval_answer}
+JSON_ANSWERS = {"code": sandbox.parse_tests, "ifeval": _check_ifeval_answer}
 
 
 def load_rows(source: str, prompt_key: str = "prompt", answer_key: str = "answer", verifier_key: str = "verifier",
@@ -163,6 +162,26 @@ def load_rows(source: str, prompt_key: str = "prompt", answer_key: str = "answer
     if not objs:
         raise ValueError(f"{source}: has no rows; expected {prompt_key!r} and {answer_key!r} per row")
     return [make_row(obj, where, prompt_key, answer_key, verifier_key, default_verifier) for where, obj in objs]
+
+
+def load_prompts(spec: str, seed: int = 0, held_out: bool = False, n: int | None = None, prompt_key: str = "prompt",
+                 answer_key: str = "answer", default_verifier: str = "math", split: str = "") -> list[dict]:
+    """The rows of a --data / --eval-data spec: "tiny" (the built-in task), "rg:NAME[:SIZE]" (Reasoning Gym,
+    generated here), a file or dataset (load_rows), or a weighted mixture of those ("a.jsonl@0.7,rg:x@0.3").
+    Every row keeps its own verifier. held_out: the evaluation draw (the tiny task's and Reasoning Gym's from
+    seeds training never uses, a dataset's `split` or its "test" split), cut to the first `n` rows."""
+    sources = []
+    for source, weight in parse_mixture(spec):
+        if source == "tiny":  # a fixed training draw and a separate held-out draw
+            rows = tiny.held_out_rows(n or 512, seed) if held_out else tiny.make_rows(100_000, seed)
+        elif source.startswith("rg:"):
+            rows = rg_rows(source, seed + 1_000_003 if held_out else seed, size=(n or 1000) if held_out else 1000)
+        else:
+            rows = load_rows(source, prompt_key, answer_key, default_verifier=default_verifier,
+                             split=split or ("test" if held_out else "train"))
+        sources.append((rows, weight))
+    rows = sources[0][0] if len(sources) == 1 else mix(sources, seed)
+    return rows[:n] if held_out else rows
 
 
 def read_objects(source: str, split: str = "train", limit: int | None = None) -> list[tuple[str, dict]]:
@@ -272,6 +291,25 @@ def draw_order(n_rows: int, seed: int, cursor: int, count: int) -> list[int]:
     return [epoch_order(n_rows, seed, pos // n_rows)[pos % n_rows] for pos in range(cursor, cursor + count)]
 
 
+def draw_prompts(rows: list[dict], seed: int, cursor: int, n: int, tokenizer, max_prompt_len: int,
+                 source: str = "") -> tuple[list[tuple[list[int], dict]], int, int]:
+    """The next n prompts of the endless shuffled stream (draw_order) from position `cursor` on, as (token
+    ids, row); prompts over `max_prompt_len` tokens are skipped. Returns (prompts, new cursor, skipped)."""
+    out, skipped = [], 0
+    while len(out) < n:
+        row = rows[draw_order(len(rows), seed, cursor, 1)[0]]
+        cursor += 1
+        ids = encode_prompt(tokenizer, row["prompt"])
+        if len(ids) > max_prompt_len:
+            skipped += 1
+            if skipped >= len(rows):  # a whole pass without a usable prompt: it would loop forever
+                raise ValueError(f"--data {source}: every prompt is longer than --max-prompt-len {max_prompt_len} "
+                                 f"tokens (e.g. {len(ids)}, {row.get('where', '')}); raise --max-prompt-len")
+            continue
+        out.append((ids, row))
+    return out, cursor, skipped
+
+
 # ---------------------------------------------------------------------------- data cleaning (UloRL 3.4)
 
 # Sub-question markers, in order: "(a) ... (b)", "(1) ... (2)", "(i) ... (ii)", "(I) ... (II)", "Part 1 ... Part 2".
@@ -306,17 +344,6 @@ def long_answer(answer: str, max_chars: int) -> str | None:
     return None
 
 
-def final_answer(verifier: str, text: str) -> str | None:
-    """The final answer a response gives, for the majority filter (domains with one short answer only)."""
-    import reward
-    if verifier == "tiny":
-        _, colon, final = text.rpartition(":")
-        return final.strip() if colon else None
-    if verifier in ("math", "math_boxed"):
-        return reward.extract_answer(text, fallback="last_number" if verifier == "math" else "none")
-    return None
-
-
 def generate(model_name: str, rows: list[dict], n: int, args) -> list[list[str]]:
     """n responses per row from `model_name` through the rollout engine (greedy when args.temperature == 0)."""
     import model as model_lib
@@ -340,7 +367,6 @@ def clean(args) -> dict:
     multi_question (several sub-questions), long_answer (over --max-answer-chars, or a matrix),
     solved_k_of_k (--model solves it in all --k samples: no learning signal), majority_disagrees
     (--majority-models: at least --majority-min of them give the same final answer, and it is wrong)."""
-    import reward
     objs = read_objects(args.input)
     rows = [make_row(obj, where, args.prompt_key, args.answer_key, args.verifier_key, args.default_verifier)
             for where, obj in objs]
@@ -370,7 +396,7 @@ def clean(args) -> dict:
         answers = []  # [model][row]: each model's final answer, one sample each
         for m in models:
             texts = generate(m, [rows[i] for i in todo], 1, args)
-            answers.append([final_answer(rows[i]["verifier"], t[0]) for i, t in zip(todo, texts)])
+            answers.append([reward.final_answer(rows[i]["verifier"], t[0]) for i, t in zip(todo, texts)])
         for j, i in enumerate(todo):
             votes = [a[j] for a in answers if a[j]]
             top = max(set(votes), key=votes.count) if votes else None

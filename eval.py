@@ -6,7 +6,7 @@ scored with the verifiers (reward.py) that training uses. Writes a JSON report a
     python eval.py --preset ulorl --model Qwen/Qwen3-4B --data aime25.jsonl --engine vllm --device cuda \\
         --report aime25.json                          # UloRL's avg@32 at T 0.85, top_p 0.95, top_k 20
 
-Metrics, over n = --k samples per problem (SPEC section 7):
+Metrics, over n = --k samples per problem:
   avg@k   mean accuracy over all samples (UloRL's headline number; ProRL's "pass@1 over 16 samples")
   pass@k  for k = 1, 2, 4, ... and n: the unbiased estimator 1 - C(n-c, k) / C(n, k) of the chance that
           at least one of k samples is correct, from c correct of n (Chen et al. 2021), averaged over problems
@@ -15,7 +15,7 @@ Metrics, over n = --k samples per problem (SPEC section 7):
           "1/2" are different votes.
 
 A sample is correct when its reward is > 0 after overlong handling "zero" (UloRL: a truncated response
-scores 0). `--segments S` decodes every response in S segments of at most max_response_len / S tokens,
+scores 0). train.py's held-out evaluation runs through `evaluate` here too (k = 1, one segment). `--segments S` decodes every response in S segments of at most max_response_len / S tokens,
 refilling the batch with new problems as samples finish (segment_rollout.rollout_step, as in training),
 so one long response does not hold a whole batch. With the weights fixed this changes only scheduling:
 the transformers engine draws each token's random number from (seed, sample, position) alone, so the
@@ -23,6 +23,7 @@ responses are the same as unsegmented decoding, sampled or greedy. vLLM seeds a 
 so there segmented sampled responses are other draws from the same distribution.
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -40,7 +41,7 @@ import tiny
 from engine import Sampling
 from segment_rollout import Pools, Sample, rollout_step
 
-# The papers' evaluation settings (SPEC section 7); --k / --temperature / --top-p / --top-k override them.
+# The papers' evaluation settings (UloRL: avg@32; ProRL: pass@1 over 16); the flags override them.
 PRESETS = {
     "tiny": dict(k=4, temperature=1.0, top_p=1.0, top_k=-1, max_response_len=64),
     "ulorl": dict(k=32, temperature=0.85, top_p=0.95, top_k=20, max_response_len=131072),  # UloRL: avg@32, 128k
@@ -53,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     # what to evaluate
     p.add_argument("--model", default=tiny.CKPT, help="hub name or local HF directory (a run's step_NNNNNN/ too)")
     p.add_argument("--data", default="tiny", help="'tiny' (the held-out draw train.py evaluates on), a "
-                                                  ".jsonl/.json/.parquet file, a save_to_disk directory or a hub name")
+                                                  ".jsonl/.json/.parquet file, a save_to_disk directory, a hub name, "
+                                                  "rg:NAME[:SIZE] (Reasoning Gym) or a mixture 'a.jsonl@0.5,rg:x@0.5'")
     p.add_argument("--prompt-key", default="prompt", help="column holding the prompt (dotted paths reach nested columns)")
     p.add_argument("--answer-key", default="answer", help="column holding the reference answer")
     p.add_argument("--split", default="test", help="split of a Hugging Face dataset")
@@ -102,15 +104,6 @@ def ks_up_to(n: int) -> list[int]:
     return ks + ([n] if ks[-1] != n else [])
 
 
-def tiny_answer(text: str) -> str | None:
-    """The tiny task's final answer: the text after the last ':' (reward.tiny_reward's rule)."""
-    _, colon, final = text.rpartition(":")
-    return final.strip() if colon else None
-
-
-ANSWERS = {"tiny": tiny_answer, "math": reward.extract_answer}  # verifier -> final-answer extractor (for maj@k)
-
-
 def majority_correct(answers: list[str | None], correct: list[bool]) -> bool:
     """maj@k of one problem: the most common non-None answer (ties: the first seen) decides, through the
     first sample that gave it. No answer at all: wrong."""
@@ -123,13 +116,14 @@ def majority_correct(answers: list[str | None], correct: list[bool]) -> bool:
 
 
 def summarize(per_problem: list[dict]) -> dict:
-    """The report's numbers from per-problem records ({"correct", "answers", "lengths", "truncated"})."""
+    """The report's numbers from per-problem records ({"correct", "rewards", "answers", "lengths", "truncated"})."""
     n = len(per_problem[0]["correct"])
     assert all(len(p["correct"]) == n for p in per_problem), "every problem needs the same number of samples"
     samples = [c for p in per_problem for c in p["correct"]]
     lengths = [x for p in per_problem for x in p["lengths"]]
     return {
         "avg@k": sum(samples) / len(samples),
+        "mean_reward": sum(r for p in per_problem for r in p.get("rewards", p["correct"])) / len(samples),
         "pass@k": {str(k): sum(pass_at_k(n, sum(p["correct"]), k) for p in per_problem) / len(per_problem)
                    for k in ks_up_to(n)},
         "maj@k": sum(majority_correct(p["answers"], p["correct"]) for p in per_problem) / len(per_problem),
@@ -140,52 +134,67 @@ def summarize(per_problem: list[dict]) -> dict:
 
 # ------------------------------------------------------------------------------------------ sampling
 
-def load_problems(args) -> list[dict]:
-    if args.data == "tiny":  # the held-out draw train.py evaluates on
-        return tiny.held_out_rows(args.n_problems or 512, args.seed)
-    rows = data.load_rows(args.data, args.prompt_key, args.answer_key, split=args.split)
-    return rows[:args.n_problems] if args.n_problems else rows
-
-
 def sample_all(engine, prompt_ids: list[list[int]], rows: list[dict], k: int, max_len: int, segments: int,
-               batch: int, sampling: Sampling) -> list[list[Sample]]:
+               batch: int, sampling: Sampling, pools: Pools | None = None) -> list[list[Sample]]:
     """k samples per problem, in problem order. Each engine call decodes at most one segment for every
-    unfinished sample plus as many new problems' k samples as fit in `batch` (at least one problem)."""
-    pools, segment_len = Pools(), -(-max_len // segments)
+    unfinished sample plus as many new problems' k samples as fit in `batch` (at least one problem).
+    `pools` sets where sample uids (the engine's random streams) start; a fresh Pools by default."""
+    pools, segment_len = pools or Pools(), -(-max_len // segments)
     done, nxt = {}, 0
-    with tqdm(total=len(rows), desc="eval", unit="problem") as bar:
+    first_group = pools.next_group
+    with tqdm(total=len(rows), desc="eval", unit="problem", leave=False) as bar:
         while nxt < len(rows) or pools.unfinished:
             new = []
             while nxt < len(rows) and (len(pools.unfinished) + (len(new) + 1) * k <= batch
                                        or (not new and not pools.unfinished)):
-                new.append(pools.new_group(prompt_ids[nxt], rows[nxt], k))  # group id == problem index
+                new.append(pools.new_group(prompt_ids[nxt], rows[nxt], k))
                 nxt += 1
             rollout_step(engine, pools, new, segment_len, max_len, sampling, version=0)
             for group in pools.ready_groups(k):
-                done[group[0].group] = pools.pop_group(group[0].group)
+                done[group[0].group - first_group] = pools.pop_group(group[0].group)
                 bar.update(1)
     return [done[i] for i in range(len(rows))]
 
 
-def score(groups: list[list[Sample]], tokenizer, max_len: int, timeout: float) -> tuple[list[dict], dict]:
-    """Per-problem records: the verifier's reward after overlong "zero", correctness, extracted answers."""
+def score(groups: list[list[Sample]], tokenizer, max_len: int, timeout: float, overlong: str = "zero",
+          overlong_buffer: int = 0, judge: reward.Judge | None = None) -> tuple[list[dict], dict]:
+    """Reward every sample (reward.score_samples, as training does) and return per-problem records:
+    correctness, rewards, final answers (reward.final_answer, for maj@k), lengths; and the reward metrics."""
     samples = [s for g in groups for s in g]
     texts = tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
-    rewards, metrics = reward.score_batch([(s.row["verifier"], t, s.row["answer"]) for s, t in zip(samples, texts)],
-                                          timeout=timeout)
+    metrics = reward.score_samples(samples, texts, max_len, overlong, overlong_buffer, timeout, judge)
     out, i = [], 0
     for g in groups:
-        row, recs = g[0].row, []
+        recs = []
         for s in g:
-            r = reward.overlong_reward(rewards[i], len(s.tokens), s.finish == "truncated", max_len, "zero")
-            extract = ANSWERS.get(row["verifier"], reward.extract_answer)
-            recs.append((r > 0, None if s.finish == "truncated" else extract(texts[i]), len(s.tokens),
-                         s.finish == "truncated"))
+            truncated = s.finish == "truncated"
+            recs.append((s.reward > 0, s.reward, None if truncated else reward.final_answer(s.row["verifier"], texts[i]),
+                         len(s.tokens), truncated))
             i += 1
-        correct, answers, lengths, truncated = map(list, zip(*recs))
-        out.append({"prompt": row["prompt"], "answer": row["answer"], "correct": correct, "answers": answers,
-                    "lengths": lengths, "truncated": truncated})
+        correct, rewards, answers, lengths, truncated = map(list, zip(*recs))
+        out.append({"prompt": g[0].row["prompt"], "answer": g[0].row["answer"], "correct": correct,
+                    "rewards": rewards, "answers": answers, "lengths": lengths, "truncated": truncated})
     return out, metrics
+
+
+def evaluate(engine, tokenizer, rows: list[dict], k: int, max_len: int, sampling: Sampling, segments: int = 1,
+             batch: int = 512, timeout: float = 5.0, overlong: str = "zero", overlong_buffer: int = 0,
+             judge: reward.Judge | None = None, pools: Pools | None = None) -> tuple[dict, list[dict], dict]:
+    """Sample k responses per row and score them: (summary numbers, per-problem records, reward metrics)."""
+    prompt_ids = [data.encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    groups = sample_all(engine, prompt_ids, rows, k, max_len, segments, batch, sampling, pools)
+    per_problem, metrics = score(groups, tokenizer, max_len, timeout, overlong, overlong_buffer, judge)
+    return summarize(per_problem), per_problem, metrics
+
+
+def load_judge(name: str, mode: str = "second_opinion", max_tokens: int = 64, dtype: str = "float32",
+               device: str = "cpu", seed: int = 0) -> reward.Judge:
+    """A generative verifier (reward.Judge) from a hub name or local directory: the transformers engine on
+    `device`, greedy."""
+    lm, tok = model_lib.load(name, dtype, device)
+    return reward.Judge(engine_lib.make_engine("hf", lm.eval(), tok, seed), functools.partial(data.encode_prompt, tok),
+                        functools.partial(tok.batch_decode, skip_special_tokens=True),
+                        Sampling(temperature=1.0, top_k=1), mode, max_tokens)
 
 
 def print_table(report: dict) -> None:
@@ -204,7 +213,8 @@ def print_table(report: dict) -> None:
 def main(args) -> dict:
     t0 = time.time()
     torch.manual_seed(args.seed)
-    rows = load_problems(args)
+    rows = data.load_prompts(args.data, args.seed, held_out=True, n=args.n_problems or None,
+                             prompt_key=args.prompt_key, answer_key=args.answer_key, split=args.split)
     use_vllm = args.engine == "vllm" or (args.engine == "auto" and engine_lib.vllm_available() and args.device != "cpu")
     if use_vllm:  # vLLM loads the weights itself: only the tokenizer here
         from transformers import AutoConfig, AutoTokenizer
@@ -213,8 +223,7 @@ def main(args) -> dict:
     else:
         policy, tokenizer = model_lib.load(args.model, args.dtype, args.device)
         max_pos = policy.config.max_position_embeddings
-    prompt_ids = [data.encode_prompt(tokenizer, r["prompt"]) for r in rows]
-    longest = max(map(len, prompt_ids))
+    longest = max(len(data.encode_prompt(tokenizer, r["prompt"])) for r in rows)
     if longest + args.max_response_len > max_pos:
         print(f"warning: prompt ({longest}) + --max-response-len ({args.max_response_len}) exceeds the model's "
               f"{max_pos} positions", flush=True)
@@ -222,9 +231,9 @@ def main(args) -> dict:
                                     max_model_len=min(longest + args.max_response_len, max_pos),
                                     mem=args.rollout_mem, device=args.device, dtype=args.dtype)
     sampling = Sampling(args.temperature, args.top_p, args.top_k)
-    groups = sample_all(engine, prompt_ids, rows, args.k, args.max_response_len, args.segments, args.batch, sampling)
-    per_problem, reward_metrics = score(groups, tokenizer, args.max_response_len, args.reward_timeout)
-    report = {**summarize(per_problem), "k": args.k, "n_problems": len(rows), "model": args.model,
+    summary, per_problem, reward_metrics = evaluate(engine, tokenizer, rows, args.k, args.max_response_len, sampling,
+                                                    args.segments, args.batch, args.reward_timeout)
+    report = {**summary, "k": args.k, "n_problems": len(rows), "model": args.model,
               "data": args.data, "sampling": vars(sampling), "reward_timeouts": reward_metrics["reward/timeouts"],
               "time_s": time.time() - t0, "args": vars(args), "per_problem": per_problem}
     print_table(report)

@@ -1,12 +1,16 @@
 """Pure tensor functions of the RL objective: group advantages, chunked token log-probs and entropy, the
-DMMPT mask, importance ratios, the clipped token-level loss and the k3 KL. No model, no state: every
-function is testable on CPU in milliseconds (tests/test_loss.py).
+DMMPT mask, the choice of pi_old (TOIS / SAIS / POIS), truncated importance-sampling weights, the clipped
+token-level loss and the k3 KL. No model, no state: every function is testable on CPU in milliseconds
+(tests/test_loss.py).
 
 Shapes: B samples, T response tokens (padded), N = number of real response tokens, V vocabulary, H hidden.
-Every log-prob here is of the *sampling* distribution: logits / temperature (SPEC section 3).
+Every log-prob here is of the *sampling* distribution: logits / temperature, as the engines' processed
+log-probs are.
 """
 import torch
 from torch.utils.checkpoint import checkpoint
+
+LM_HEAD_CHUNK = 512  # positions per lm_head chunk: [512, 151936] fp32 logits are 0.3 GB (bench.py memory)
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -30,7 +34,7 @@ def _chunk_logprobs_entropy(hidden, weight, targets, temperature):
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                   chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+                   chunk: int = LM_HEAD_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target token and the full-vocabulary entropy at each position, from the last hidden
     states [N, H] and the lm_head weight [V, H]. Computed `chunk` positions at a time; with grad enabled
     each chunk is checkpointed, so neither the forward nor the backward ever holds more than [chunk, V]
@@ -58,6 +62,25 @@ def mpt_mask(logprobs: torch.Tensor, entropy: torch.Tensor, rewards: torch.Tenso
     masked_sample = (rewards >= 1) & (mean_entropy < sigma)  # [B]
     mastered = logprobs.exp() >= tau  # [B, T]
     return ~(masked_sample[:, None] & mastered & mask.bool())
+
+
+def old_logprobs(is_mode: str, current: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor:
+    """pi_old of the importance ratio (UloRL 3.1), [B, T]:
+    - tois / sais: the behaviour log-probs stored at sampling time. With one segment (TOIS) that is the one
+      policy that sampled the sample; with several (SAIS) each token's own segment's policy.
+    - pois: the current weights' log-probs of the whole sample, recomputed before the update, so the ratio
+      starts at exactly 1 for every token (pseudo on-policy; UloRL's choice)."""
+    if is_mode == "pois":
+        return current
+    if is_mode in ("tois", "sais"):
+        return behaviour
+    raise ValueError(f"--is-mode must be tois, sais or pois, got {is_mode!r}")
+
+
+def tis_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling: min(pi_old / pi_engine, cap) per token [B, T], a constant (no gradient)
+    that corrects for the engine sampling from a slightly different distribution than the trainer's pi_old."""
+    return torch.exp(old_logprobs - behaviour_logprobs).clamp(max=cap).detach()
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -89,7 +112,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)  # [B, T]
     if tis_cap is not None:
-        per_token = per_token * torch.exp(old_logprobs - behaviour_logprobs).clamp(max=tis_cap).detach()
+        per_token = per_token * tis_weights(old_logprobs, behaviour_logprobs, tis_cap)
     kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(logprobs)
     per_token = torch.where(m.bool(), per_token + kl_coef * kl, 0)  # padding may hold inf/nan: drop, not 0 * x
 

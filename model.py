@@ -1,9 +1,16 @@
-"""Loading the model and tokenizer, the trainer's forward pass to response log-probs, and HF-format
-checkpoint weights (safetensors, loadable by `AutoModelForCausalLM.from_pretrained` and by vLLM).
+"""The model side of the trainer: loading the model and tokenizer (YaRN flags), the micro-batch layout
+(`MicroBatch`, `micro_batches`, `collate`, `rank_share`), the forward pass to response log-probs, FSDP2/DDP
+wrapping and the few collectives the update needs, gathering full weights, and HF-format weights on disk
+(safetensors, loadable by `AutoModelForCausalLM.from_pretrained` and by vLLM).
 """
+import contextlib
+import itertools
 import os
+from dataclasses import dataclass, fields
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import loss
@@ -52,22 +59,135 @@ def load(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradien
     return model.to(device), tokenizer
 
 
-def response_logprobs(model, mb: dict, temperature: float, chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob and entropy of every response token of a micro-batch (ulorl.collate, packed or padded),
-    as [b, T] (0 on padding). Only the N real response positions go through the lm_head, in chunks
-    (loss.token_logprobs). use_cache=False matters for packed rows: with a KV cache transformers skips the
-    packed-sequence mask and every sequence would attend to those before it in the row."""
-    hidden = model.get_decoder()(input_ids=mb["input_ids"], attention_mask=mb.get("attention_mask"),
-                                 position_ids=mb.get("position_ids"), use_cache=False).last_hidden_state
-    h = hidden[mb["rows"], mb["cols"]]  # [N, H]: the positions that predict response tokens
-    lp, ent = loss.token_logprobs(h, model.get_output_embeddings().weight, mb["targets"], temperature, chunk)
-    shape = mb["resp_mask"].shape
-    out_lp = torch.zeros(shape, dtype=lp.dtype, device=lp.device).masked_scatter(mb["resp_mask"], lp)
-    out_ent = torch.zeros(shape, dtype=ent.dtype, device=ent.device).masked_scatter(mb["resp_mask"], ent)
+# ------------------------------------------------------------------------------------ micro-batches
+
+@dataclass
+class MicroBatch:
+    """One forward/backward of the trainer: the model's inputs and the response-aligned tensors ([b] or
+    [b, T], right-padded). `collate` fills the first block; the update (ulorl.py) fills the second."""
+    input_ids: torch.Tensor  # [rows, L]
+    attention_mask: torch.Tensor | None  # [b, L] when padded; None when packed
+    position_ids: torch.Tensor | None  # [1, L] when packed (restarting at 0 for each sequence); None when padded
+    rows: torch.Tensor  # [N]: row and column of the hidden state that predicts each response token
+    cols: torch.Tensor  # [N]
+    targets: torch.Tensor  # [N]: the response tokens, samples in order
+    resp_mask: torch.Tensor  # [b, T] bool: a real response token
+    behaviour: torch.Tensor  # [b, T]: the engine's log-prob of each token when it was sampled
+    versions: torch.Tensor  # [b, T]: the policy version that sampled each token (-1 on padding)
+    rewards: torch.Tensor  # [b]
+    truncated: torch.Tensor  # [b] bool
+    # filled by the update
+    adv: torch.Tensor | None = None  # [b]
+    old: torch.Tensor | None = None  # [b, T]: pi_old
+    ref: torch.Tensor | None = None  # [b, T]: the reference policy's log-probs (KL)
+    keep: torch.Tensor | None = None  # [b, T] bool: the tokens whose loss term trains
+    empty: bool = False  # a stand-in that trains nothing (ranks with fewer micro-batches run these)
+
+    def to(self, device) -> "MicroBatch":
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if torch.is_tensor(v):
+                setattr(self, f.name, v.to(device))
+        return self
+
+
+def micro_batches(samples: list, max_tokens: int, pack: bool = True) -> list[list[int]]:
+    """Split sample indices into micro-batches of at most `max_tokens` tokens (prompt + response) each.
+    pack=True: each micro-batch is one row of sequences laid back to back (collate(pack=True)), nothing
+    padded; bins are filled first-fit in order of decreasing length. pack=False: rows padded to the
+    longest of their micro-batch, rows x longest <= max_tokens; sorting by length keeps padding small.
+    A sequence longer than `max_tokens` gets a micro-batch of its own."""
+    lengths = [len(s.prompt_ids) + len(s.tokens) for s in samples]
+    if pack:
+        bins, room = [], []
+        for i in sorted(range(len(samples)), key=lambda i: -lengths[i]):
+            b = next((b for b, r in enumerate(room) if lengths[i] <= r), len(bins))
+            if b == len(bins):
+                bins.append([])
+                room.append(max_tokens)
+            bins[b].append(i)
+            room[b] -= lengths[i]
+        return [sorted(b) for b in bins]
+    out, cur, longest = [], [], 0
+    for i in sorted(range(len(samples)), key=lambda i: lengths[i]):
+        if cur and max(longest, lengths[i]) * (len(cur) + 1) > max_tokens:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, lengths[i])
+    return out + ([cur] if cur else [])
+
+
+def collate(samples: list, pad_id: int, device="cpu", pack: bool = True) -> MicroBatch:
+    """The trainer's input for one micro-batch of samples (segment_rollout.Sample).
+
+    pack=True: one row [1, L] of the sequences back to back, with position_ids restarting at 0 for each,
+    and no attention_mask: transformers then derives a block-diagonal causal mask from the position resets
+    (masking_utils.find_packed_sequence_indices; only with attention_mask=None and no KV cache), so no
+    token attends across sequences. pack=False: rows [b, L], right-padded, with an attention_mask.
+    Response token t of sample i sits at (rows, cols) = (row of i, start of i + P_i + t) and is predicted
+    by the hidden state one column earlier (P_i = prompt length)."""
+    seqs = [s.prompt_ids + s.tokens for s in samples]
+    T = max(len(s.tokens) for s in samples)
+    attn = pos = None
+    if pack:
+        ids = torch.tensor([[t for seq in seqs for t in seq]], dtype=torch.long)  # [1, L]
+        pos = torch.cat([torch.arange(len(seq)) for seq in seqs])[None]  # [1, L]
+        starts = [0] + list(itertools.accumulate(map(len, seqs)))[:-1]
+    else:
+        L = max(map(len, seqs))
+        ids = torch.full((len(samples), L), pad_id, dtype=torch.long)
+        attn = torch.zeros((len(samples), L), dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            ids[i, :len(seq)] = torch.tensor(seq)
+            attn[i, :len(seq)] = 1
+        starts = [0] * len(samples)
+    resp_mask = torch.zeros((len(samples), T), dtype=torch.bool)
+    behaviour = torch.zeros((len(samples), T))
+    versions = torch.full((len(samples), T), -1, dtype=torch.long)
+    rows, cols = [], []
+    for i, (s, start) in enumerate(zip(samples, starts)):
+        n, p = len(s.tokens), len(s.prompt_ids)
+        resp_mask[i, :n] = True
+        behaviour[i, :n] = torch.tensor(s.logprobs)
+        versions[i, :n] = torch.tensor(s.versions)
+        rows += [0 if pack else i] * n
+        cols += range(start + p - 1, start + p - 1 + n)
+    return MicroBatch(input_ids=ids, attention_mask=attn, position_ids=pos, rows=torch.tensor(rows),
+                      cols=torch.tensor(cols), targets=torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long),
+                      resp_mask=resp_mask, behaviour=behaviour, versions=versions,
+                      rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+                      truncated=torch.tensor([s.finish == "truncated" for s in samples])).to(device)
+
+
+def rank_share(lengths: list[int], rank: int, world: int) -> list[int]:
+    """The positions of a mini-batch that trainer rank `rank` of `world` trains on: longest sequence first,
+    each to the rank with the fewest tokens so far (ties: the lowest rank), so ranks get about equal work.
+    Every rank computes the same split from the same batch. One process: everything."""
+    if world == 1:
+        return list(range(len(lengths)))
+    load, owner = [0] * world, {}
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = min(range(world), key=lambda r: load[r])
+        owner[i], load[r] = r, load[r] + lengths[i]
+    return [i for i in range(len(lengths)) if owner[i] == rank]
+
+
+# ---------------------------------------------------------------------------------- the forward pass
+
+def response_logprobs(model, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy of every response token of a micro-batch (packed or padded), as [b, T] (0 on
+    padding). Only the N real response positions go through the lm_head, in chunks (loss.token_logprobs).
+    use_cache=False matters for packed rows: with a KV cache transformers skips the packed-sequence mask and
+    every sequence would attend to those before it in the row."""
+    hidden = model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                 position_ids=mb.position_ids, use_cache=False).last_hidden_state
+    h = hidden[mb.rows, mb.cols]  # [N, H]: the positions that predict response tokens
+    lp, ent = loss.token_logprobs(h, model.get_output_embeddings().weight, mb.targets, temperature)
+    out_lp = torch.zeros(mb.resp_mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mb.resp_mask, lp)
+    out_ent = torch.zeros(mb.resp_mask.shape, dtype=ent.dtype, device=ent.device).masked_scatter(mb.resp_mask, ent)
     return out_lp, out_ent
 
-
-# ------------------------------------------------------------------------------ distributed training
 
 class Policy(torch.nn.Module):
     """The trainer's forward as one module: micro-batch -> (log-probs, entropy) of its response tokens.
@@ -78,9 +198,11 @@ class Policy(torch.nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, mb: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         return response_logprobs(self.lm, mb, temperature)
 
+
+# ------------------------------------------------------------------------------ distributed training
 
 def wrap(lm, parallel: str, trainable: bool = True, mixed_bf16: bool = False):
     """The module the trainer calls. parallel "none": one process. "ddp": a full copy per rank, gradients
@@ -103,13 +225,83 @@ def wrap(lm, parallel: str, trainable: bool = True, mixed_bf16: bool = False):
     raise ValueError(f"--parallel must be fsdp or ddp, got {parallel!r}")
 
 
+def grad_sync(policy, last: bool):
+    """Reduce gradients only in the backward of an optimizer step's last micro-batch."""
+    if isinstance(policy, torch.nn.parallel.DistributedDataParallel) and not last:
+        return policy.no_sync()
+    if hasattr(policy, "set_requires_gradient_sync"):  # FSDP2
+        policy.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
+# Trainer ranks are torchrun's processes; one process is rank 0 of 1. (vLLM in-process creates a default
+# group of world size 1 when none exists: these treat it as one process too.)
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_sum(values: dict) -> dict:
+    """Each key summed over the trainer ranks (float64)."""
+    if world() == 1:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(t)
+    return dict(zip(keys, t.tolist()))
+
+
+def all_max(value: float) -> float:
+    if world() == 1:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def all_true(flag: bool) -> bool:
+    return all_max(-float(flag)) == -1.0  # all true <=> max(-flag) == -1
+
+
+def broadcast(obj):
+    """Rank 0's object on every rank (pickled: the step's batch of samples, the stop flag)."""
+    if world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=_collective_device())
+    return box[0]
+
+
+def barrier() -> None:
+    if world() > 1:
+        dist.barrier()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+# ------------------------------------------------------------------------------- weights in and out
+
 def full_weights(lm):
     """(HF name, full tensor) for every parameter, one at a time: an FSDP2 shard is all-gathered (a
     collective: every rank must walk this generator in step), a plain or DDP parameter is itself. A tied
     lm_head is listed once, as the embedding. Never more than one gathered parameter exists at a time."""
-    from torch.distributed.tensor import DTensor
     for name, p in lm.named_parameters():
-        yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        yield name, full_tensor(p).detach()
+
+
+def gather_only(lm) -> None:
+    """What a rank that receives nothing does while rank 0 takes full_weights(lm): its part of each gather."""
+    for _ in full_weights(lm):
+        pass
 
 
 def save_weights(lm, weights, tokenizer, path: str) -> None:

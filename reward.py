@@ -1,12 +1,13 @@
 """Verifiers: turn a response text and a reference answer into a scalar reward.
 
-Owns answer extraction (`extract_answer`), math answer equivalence (`math_equal`, math-verify run in
-worker processes with a hard timeout), the tiny built-in task (`tiny_reward`), Reasoning Gym's scorers
-(`rg_reward`), instruction-following constraints (`ifeval_reward`, `CONSTRAINTS`), the `VERIFIERS` table
-that maps a dataset's verifier name to a function `(response, answer) -> float` (code rewards come from
-sandbox.py), the batch scorer the trainer calls once per step (`score_batch`), the generative verifier
-(UloRL 3.3: `JUDGE_PROMPT`, `judge`, `judge_rewards`), and overlong handling (`overlong_reward`, SPEC
-section 5).
+Owns answer extraction (`extract_answer`, and `final_answer`: the one table of each verifier's final
+answer), math answer equivalence (`math_equal`, math-verify run in worker processes with a hard timeout),
+the tiny built-in task (`tiny_reward`), Reasoning Gym's scorers (`rg_reward`), instruction-following
+constraints (`ifeval_reward`, `CONSTRAINTS`), the `VERIFIERS` table that maps a dataset's verifier name to a
+function `(response, answer) -> float` (code rewards come from sandbox.py), the batch scorer
+(`score_batch`) and the one function that rewards samples for training and evaluation alike
+(`score_samples`), the generative verifier (UloRL 3.3: `Judge`, `JUDGE_PROMPT`, `judge_rewards`), and
+overlong handling (`overlong_reward`: UloRL gives a truncated sample 0, DAPO a soft penalty).
 
     python reward.py bench       # the pool's throughput on 1000 math answers against a single-process loop
 
@@ -16,7 +17,6 @@ Workers come from the multiprocessing "forkserver", never from a fork of the tra
 threads). As with any spawn/forkserver child, each worker imports the main script as `__mp_main__`,
 so `train.py` keeps its work under `if __name__ == "__main__":`.
 """
-
 import atexit
 import functools
 import importlib
@@ -28,6 +28,8 @@ import signal
 import time
 import warnings
 from collections import deque
+from dataclasses import dataclass
+from typing import Callable
 from multiprocessing.connection import wait as mp_wait
 
 from math_verify import parse, verify
@@ -123,10 +125,14 @@ def math_boxed_reward(response: str, answer: str) -> float:
     return float(prediction is not None and math_equal(prediction, answer))
 
 
-def tiny_reward(response: str, answer: str) -> float:
+def tiny_answer(response: str) -> str | None:
     """The tiny task writes running sums then the total ("7,12:12"): the text after the last ':'."""
     _, colon, final = response.rpartition(":")
-    return float(bool(colon) and final.strip() == answer)
+    return final.strip() if colon else None
+
+
+def tiny_reward(response: str, answer: str) -> float:
+    return float(tiny_answer(response) == answer)
 
 
 def final_text(response: str) -> str:
@@ -227,6 +233,20 @@ def ifeval_reward(response: str, answer: str) -> float:
     return met / len(constraints)
 
 
+def _rg_answer(response: str) -> str | None:
+    return rg_extract(response) or None
+
+
+# The final answer of a response, per verifier: what maj@k votes with and the data cleaning's majority filter
+# compares. Verifiers without one short answer (code, ifeval) have none.
+ANSWERS = {"tiny": tiny_answer, "math": extract_answer, "math_boxed": functools.partial(extract_answer, fallback="none"),
+           "rg": _rg_answer}
+
+
+def final_answer(verifier: str, response: str) -> str | None:
+    return ANSWERS[verifier](response) if verifier in ANSWERS else None
+
+
 # Verifier functions must live at module level: workers import them by "module:name".
 VERIFIERS = {"tiny": tiny_reward, "math": math_reward, "math_boxed": math_boxed_reward, "code": sandbox.code_reward,
              "rg": rg_reward, "ifeval": ifeval_reward}
@@ -262,38 +282,44 @@ def _question_text(prompt) -> str:
     return prompt if len(prompt) <= 4000 else prompt[:2000] + " ... " + prompt[-2000:]
 
 
-def judge(engine, tokenizer, items: list[tuple], max_tokens: int = 64) -> list[bool]:
-    """Ask the judge model (behind the engine interface) whether each (question, prediction, reference)
-    pair is equivalent; greedy decoding, verdicts parsed by parse_verdict. A missing, empty or over-long
-    prediction is a no without asking."""
-    import data  # here, not at the top: reward workers never need the tokenizer side
-    from engine import Sampling
+@dataclass
+class Judge:
+    """The generative verifier: a model behind the rollout engine's interface, and how to talk to it."""
+    engine: object  # engine.generate(prompts, max_tokens, sampling) -> [Generation]
+    encode: Callable[[str], list[int]]  # a prompt text -> token ids (the judge's chat template applied)
+    decode: Callable[[list[list[int]]], list[str]]  # token ids -> texts
+    sampling: object  # engine.Sampling; greedy: Sampling(temperature=1.0, top_k=1)
+    mode: str = "second_opinion"  # "second_opinion": ask only about rule-based 0s; "alone": ask about all
+    max_tokens: int = 64  # what it may write before its yes/no (thinking models need more)
+
+
+def judge(j: Judge, items: list[tuple]) -> list[bool]:
+    """Ask the judge whether each (question, prediction, reference) pair is equivalent; verdicts parsed by
+    parse_verdict. A missing, empty or over-long prediction is a no without asking."""
     verdicts, ask = [False] * len(items), []
     for i, (question, prediction, reference) in enumerate(items):
         if prediction is not None and prediction.strip() and len(prediction) <= MAX_ANSWER_CHARS:
             ask.append(i)
     if not ask:
         return verdicts
-    prompts = [data.encode_prompt(tokenizer, JUDGE_PROMPT.format(
-        question=_question_text(items[i][0]), reference=items[i][2], prediction=items[i][1])) for i in ask]
-    gens = engine.generate(prompts, [max_tokens] * len(ask), Sampling(temperature=1.0, top_k=1))  # greedy
-    texts = tokenizer.batch_decode([g.tokens for g in gens], skip_special_tokens=True)
-    for i, text in zip(ask, texts):
+    prompts = [j.encode(JUDGE_PROMPT.format(question=_question_text(items[i][0]), reference=items[i][2],
+                                            prediction=items[i][1])) for i in ask]
+    gens = j.engine.generate(prompts, [j.max_tokens] * len(ask), j.sampling)
+    for i, text in zip(ask, j.decode([g.tokens for g in gens])):
         verdicts[i] = parse_verdict(text)
     return verdicts
 
 
-def judge_rewards(engine, tokenizer, rows: list[dict], responses: list[str], rewards: list[float],
-                  mode: str, max_tokens: int = 64) -> tuple[list[float], int]:
+def judge_rewards(j: Judge, rows: list[dict], responses: list[str], rewards: list[float]) -> tuple[list[float], int]:
     """Rewards after the generative verifier, for rows whose verifier is in JUDGE_DOMAINS; others unchanged.
     "alone": the judge's verdict is the reward. "second_opinion": only rule-based 0s are asked, and a yes
     makes them 1 (UloRL's answer to pairs like 27cm / 0.27m). Returns (rewards, number of judge calls)."""
-    if mode not in ("alone", "second_opinion"):
-        raise ValueError(f"unknown verifier mode {mode!r}; use 'off', 'alone' or 'second_opinion'")
+    if j.mode not in ("alone", "second_opinion"):
+        raise ValueError(f"unknown verifier mode {j.mode!r}; use 'off', 'alone' or 'second_opinion'")
     ask = [i for i, row in enumerate(rows) if row["verifier"] in JUDGE_DOMAINS and
-           (mode == "alone" or rewards[i] == 0.0)]
-    verdicts = judge(engine, tokenizer, [(rows[i]["prompt"], extract_answer(final_text(responses[i])),
-                                          rows[i]["answer"]) for i in ask], max_tokens)
+           (j.mode == "alone" or rewards[i] == 0.0)]
+    verdicts = judge(j, [(rows[i]["prompt"], extract_answer(final_text(responses[i])), rows[i]["answer"])
+                         for i in ask])
     out = list(rewards)
     for i, yes in zip(ask, verdicts):
         out[i] = float(yes)
@@ -436,11 +462,27 @@ def score_batch(items: list[tuple[str, str, str]], timeout: float = 5.0,
     return scores, {"reward/timeouts": n_timeouts, "reward/errors": len(errors)}
 
 
+def score_samples(samples: list, texts: list[str], max_len: int, overlong: str = "zero", overlong_buffer: int = 0,
+                  timeout: float = 5.0, judge: Judge | None = None) -> dict:
+    """Set the reward of every sample (segment_rollout.Sample; `texts` are their decoded responses): its
+    verifier's score, the judge's verdict where it is asked, then the overlong rule for truncated samples
+    ("filter" leaves rewards alone: the update drops those samples). Training and evaluation both score here.
+    Returns {"reward/timeouts", "reward/errors"} (and "reward/judge_calls" with a judge)."""
+    items = [(s.row["verifier"], t, s.row["answer"]) for s, t in zip(samples, texts)]
+    rewards, metrics = score_batch(items, timeout=timeout)
+    if judge is not None and samples:
+        rewards, metrics["reward/judge_calls"] = judge_rewards(judge, [s.row for s in samples], texts, rewards)
+    for s, r in zip(samples, rewards):
+        s.reward = overlong_reward(r, len(s.tokens), s.finish == "truncated", max_len,
+                                   "none" if overlong == "filter" else overlong, overlong_buffer)
+    return metrics
+
+
 # ---------------------------------------------------------------------------- overlong handling
 
 def overlong_reward(reward: float, n_tokens: int, truncated: bool, max_len: int,
                     mode: str = "zero", buffer: int = 0) -> float:
-    """Reward of a sample after overlong handling (SPEC section 5).
+    """Reward of a sample after overlong handling.
     "zero" (UloRL): truncated samples get 0. "soft" (DAPO's soft overlong punishment): a penalty
     growing linearly from 0 at max_len - buffer tokens to -1 at max_len is added; truncated samples
     get 0 - 1. "none", and "filter" (the trainer drops truncated samples from the loss): unchanged."""
@@ -492,7 +534,7 @@ def bench(n: int = 1000, workers: int = 2, timeout: float = 5.0) -> dict:
 if __name__ == "__main__":
     import argparse
     p = argparse.ArgumentParser(description="python reward.py bench: the reward pool's throughput against a "
-                                            "single-process loop (issue 6, acceptance 5)")
+                                            "single-process loop")
     p.add_argument("command", choices=["bench"])
     p.add_argument("--n", type=int, default=1000, help="math answers to score")
     p.add_argument("--workers", type=int, default=2, help="worker processes")

@@ -1,5 +1,5 @@
 """Segment rollout, UloRL Algorithm 1: the `Sample` record, the unfinished and experience pools, and one
-rollout step over any engine (see engine.py).
+rollout step over any engine (engine.py: anything with `generate(prompts, max_tokens, sampling, keys)`).
 
 A response of up to `max_len` tokens is decoded at most `segment_len` tokens per RL step. A sample that
 hits the segment cap waits in the unfinished pool and continues at the next step, possibly under newer
@@ -10,15 +10,16 @@ log-prob. Segment i of a sample is tokens[seg_starts[i]:seg_starts[i+1]].
                       +--> batch --> engine: <= segment_len new tokens each --+--> EOS        --> experience
     new prompts x G --+                                                      +--> global cap --> experience (truncated)
                                                                              +--> segment cap --> unfinished pool
+
+A group (the G samples of one prompt) can be scored only when all its members are finished: it waits in
+the experience pool until then (`ready_groups`).
 """
 from dataclasses import dataclass, field
-
-from engine import Sampling
 
 
 @dataclass
 class Sample:
-    uid: int  # unique over the run
+    uid: int  # unique over the run; names the sample's random stream in the engine
     group: int  # unique id of the prompt draw; the G samples of one draw share it
     prompt_ids: list[int]
     row: dict  # the dataset row: prompt, answer, verifier
@@ -36,53 +37,49 @@ class Sample:
 @dataclass
 class Pools:
     unfinished: list[Sample] = field(default_factory=list)
-    finished: dict[int, list[Sample]] = field(default_factory=dict)  # experience pool: group -> finished members
+    experience: dict[int, list[Sample]] = field(default_factory=dict)  # group -> its finished members
     next_uid: int = 0
     next_group: int = 0
+    uid_step: int = 1  # -1 makes uids count down (evaluation: random streams apart from training's)
 
     def new_group(self, prompt_ids: list[int], row: dict, size: int) -> list[Sample]:
         group, self.next_group = self.next_group, self.next_group + 1
-        samples = [Sample(self.next_uid + i, group, prompt_ids, row) for i in range(size)]
-        self.next_uid += size
+        samples = [Sample(self.next_uid + i * self.uid_step, group, prompt_ids, row) for i in range(size)]
+        self.next_uid += size * self.uid_step
         return samples
 
     def ready_groups(self, size: int) -> list[list[Sample]]:
         """Complete groups (all `size` members finished), oldest first: only these can be scored as groups."""
-        return [g for _, g in sorted(self.finished.items()) if len(g) == size]
+        return [g for _, g in sorted(self.experience.items()) if len(g) == size]
 
     def pop_group(self, group: int) -> list[Sample]:
-        return self.finished.pop(group)
-
-    def in_flight_groups(self) -> int:
-        return len({s.group for s in self.unfinished} | set(self.finished))
+        return self.experience.pop(group)
 
 
 def rollout_step(engine, pools: Pools, new_groups: list[list[Sample]], segment_len: int, max_len: int,
-                 sampling: Sampling, version: int) -> dict:
+                 sampling, version: int) -> dict:
     """Decode at most one segment for every unfinished sample and every new sample, then sort each one into
-    the experience pool (EOS or global cap) or back into the unfinished pool (segment cap)."""
+    the experience pool (EOS or global cap) or back into the unfinished pool (segment cap). `sampling` is
+    the engine's (engine.Sampling); `version` is stamped on every token decoded now."""
     batch = pools.unfinished + [s for g in new_groups for s in g]
     pools.unfinished = batch  # new samples join the pool first: if the engine raises, nothing is lost
     budgets = [min(segment_len, max_len - len(s.tokens)) for s in batch]
     gens = engine.generate([s.prompt_ids + s.tokens for s in batch], budgets, sampling, keys=[s.uid for s in batch])
     pools.unfinished = []
-    n_eos = n_trunc = 0
     for s, g, budget in zip(batch, gens, budgets):
         s.seg_starts.append(len(s.tokens))
         s.tokens += g.tokens
         s.logprobs += g.logprobs
         s.versions += [version] * len(g.tokens)
         if g.finish == "stop":
-            s.finish, n_eos = "eos", n_eos + 1
+            s.finish = "eos"
         elif len(s.tokens) >= max_len:
-            s.finish, n_trunc = "truncated", n_trunc + 1
+            s.finish = "truncated"
         elif len(g.tokens) < budget:
             raise RuntimeError(f"engine returned {len(g.tokens)} tokens with finish='length' but the segment "
                                f"allowed more: is max_model_len too small for prompt + response?")
         if s.finish is None:
             pools.unfinished.append(s)
         else:
-            pools.finished.setdefault(s.group, []).append(s)
-    return {"rollout/batch": len(batch), "rollout/new_samples": sum(map(len, new_groups)),
-            "rollout/eos": n_eos, "rollout/truncated": n_trunc, "rollout/unfinished": len(pools.unfinished),
-            "tokens/generated": sum(len(g.tokens) for g in gens)}
+            pools.experience.setdefault(s.group, []).append(s)
+    return {"rollout/unfinished": len(pools.unfinished), "tokens/generated": sum(len(g.tokens) for g in gens)}

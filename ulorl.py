@@ -1,26 +1,32 @@
-"""The paper-to-code index, and the step logic that train.py and eval.py share.
+"""The paper-to-code index, and the algorithm of one RL step after the rollout: dynamic sampling,
+advantages, the keep mask (DMMPTs, overlong filtering), the update (`update`: old and reference log-probs,
+the global token denominator, the loss, the optimizer steps, the NaN skip) and ProRL's reference/optimizer
+reset. One RL step reads train.py (the loop) -> segment_rollout.py -> ulorl.py -> loss.py.
 
-Where each part of the papers lives (SPEC.md restates them; bold numbers there are flag defaults here):
+Where each part of the papers lives (every paper number is a flag default in train.py):
 
   UloRL (arXiv 2507.19766)
-    3.1 segment rollout, Algorithm 1 ...... segment_rollout.rollout_step, Pools; --segments (8), --max-response-len
+    3.1 segment rollout, Algorithm 1 ...... segment_rollout.rollout_step, Pools; train.rollout_until_ready;
+                                            --segments (8), --max-response-len (131072)
     3.1 speed 1240 s -> 601 s (4 segs) ..... bench.py segments
-    3.1 TOIS / SAIS / POIS ................ old_logprobs() below; --is-mode (pois)
-    3.2 DMMPTs (tau 0.99, sigma 0.2) ...... loss.mpt_mask; --mpt {dynamic,static,off}, --mpt-tau, --mpt-sigma
+    3.1 TOIS / SAIS / POIS ................ loss.old_logprobs, used in prepare() below; --is-mode (pois)
+    3.2 DMMPTs (tau 0.99, sigma 0.2) ...... loss.mpt_mask, keep_mask() below; --mpt, --mpt-tau, --mpt-sigma
     3.3 {0,1} reward, truncated = 0 ....... reward.py, reward.overlong_reward; --overlong (zero)
-    3.3 generative verifier ............... reward.judge_rewards, JUDGE_PROMPT; --verifier-model, --verifier-mode
+    3.3 generative verifier ............... reward.Judge, reward.judge_rewards; --verifier-model, --verifier-mode
     3.4 data cleaning ..................... data.py clean (python data.py clean --help)
     4   YaRN (factor 1.5, 95232) .......... model.yarn_overrides; --rope-scaling-factor, --rope-original-max-positions
     4   settings: lr 1e-6, 128 x 8, T 0.85, mini-batch 1024 .......... train.py PRESETS["ulorl"]
-    4   avg@32 with T 0.85, top_p 0.95, top_k 20 ...................... eval.py (issue 7)
+    4   avg@32 with T 0.85, top_p 0.95, top_k 20 ...................... eval.py --preset ulorl
   ProRL (arXiv 2507.12507, 2505.24864)
-    GRPO advantages ....................... loss.group_advantages
+    GRPO advantages ....................... loss.group_advantages, sample_advantages() below
     decoupled clip 0.2 / 0.4 .............. loss.policy_loss; --eps-low, --eps-high
-    dynamic sampling ...................... take_informative() below; --dynamic-sampling
+    token-level loss (DAPO) ............... optimize() below: one denominator over micro-batches and ranks; --agg
+    dynamic sampling ...................... dynamic_sampling() below; --dynamic-sampling
     KL k3 to a reference, beta 1e-4 ....... loss.kl_k3; --kl-coef
-    reference + optimizer reset ........... train.py reset_reference(); --ref-reset-every
+    reference + optimizer reset ........... reset_reference() below; --ref-reset-every
     settings: n 16, T 1.2, 256 prompts, mini-batch 64 prompts, lr 2e-6 ... train.py PRESETS["prorl"]
     rewards: math, code (sandbox.py), Reasoning Gym (--data rg:NAME), instruction following ... reward.VERIFIERS
+    pass@k ................................ eval.pass_at_k
 
 Simplifications of the papers, all of them:
   - A training step waits until `--train-groups` informative groups are complete, instead of training on
@@ -34,17 +40,31 @@ Simplifications of the papers, all of them:
     problems solved k of k, majority disagreement); UloRL's rewriting of multiple-choice and proof questions
     into short-answer ones is not automated.
 """
-import itertools
+import math
+import sys
+from dataclasses import dataclass, field
 
 import torch
 
-from loss import group_advantages
+import model as model_lib
+from loss import group_advantages, mpt_mask, old_logprobs, policy_loss
+from model import MicroBatch
 
 
-def take_informative(groups: list[list], dynamic_sampling: bool) -> tuple[list[list], int]:
+@dataclass
+class RunState:
+    """Where a run stands between steps (a checkpoint saves it beside the pools)."""
+    step: int = 0  # RL steps done
+    version: int = 0  # the policy version: +1 whenever an update changed the weights; stamped on sampled tokens
+    cursor: int = 0  # prompts drawn so far from the endless shuffled stream (data.draw_order)
+    ready: list = field(default_factory=list)  # informative complete groups waiting for an update
+    bad_steps: int = 0  # steps in a row whose every update was skipped for a NaN/inf loss or gradient
+
+
+def dynamic_sampling(groups: list[list], enabled: bool) -> tuple[list[list], int]:
     """Dynamic sampling (DAPO, both papers): a group whose rewards are all equal has zero advantage and
     teaches nothing, so it is dropped and sampling continues. Returns (kept groups, number dropped)."""
-    if not dynamic_sampling:
+    if not enabled:
         return groups, 0
     kept = [g for g in groups if len({s.reward for s in g}) > 1]
     return kept, len(groups) - len(kept)
@@ -56,98 +76,160 @@ def sample_advantages(groups: list[list]) -> torch.Tensor:
     return group_advantages(rewards).flatten()
 
 
-def micro_batches(samples: list, max_tokens: int, pack: bool = True) -> list[list[int]]:
-    """Split sample indices into micro-batches of at most `max_tokens` tokens (prompt + response) each.
-    pack=True: each micro-batch is one row of sequences laid back to back (collate(pack=True)), nothing
-    padded; bins are filled first-fit in order of decreasing length. pack=False: rows padded to the
-    longest of their micro-batch, rows x longest <= max_tokens; sorting by length keeps padding small.
-    A sequence longer than `max_tokens` gets a micro-batch of its own."""
-    lengths = [len(s.prompt_ids) + len(s.tokens) for s in samples]
-    if pack:
-        bins, room = [], []
-        for i in sorted(range(len(samples)), key=lambda i: -lengths[i]):
-            b = next((b for b, r in enumerate(room) if lengths[i] <= r), len(bins))
-            if b == len(bins):
-                bins.append([])
-                room.append(max_tokens)
-            bins[b].append(i)
-            room[b] -= lengths[i]
-        return [sorted(b) for b in bins]
-    out, cur, longest = [], [], 0
-    for i in sorted(range(len(samples)), key=lambda i: lengths[i]):
-        if cur and max(longest, lengths[i]) * (len(cur) + 1) > max_tokens:
-            out.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, lengths[i])
-    return out + ([cur] if cur else [])
+def keep_mask(mb: MicroBatch, current: torch.Tensor, entropy: torch.Tensor, cfg) -> torch.Tensor:
+    """The response tokens whose loss terms train, [b, T] bool: DMMPTs drop the well-mastered tokens of
+    positive samples (UloRL 3.2: --mpt dynamic while the sample's entropy is below sigma, static always,
+    off never); overlong filtering (--overlong filter) drops truncated samples whole."""
+    keep = mb.resp_mask.clone() & (not mb.empty)
+    if cfg.mpt != "off":
+        sigma = cfg.mpt_sigma if cfg.mpt == "dynamic" else math.inf
+        keep &= mpt_mask(current, entropy, mb.rewards, mb.resp_mask, cfg.mpt_tau, sigma)
+    if cfg.overlong == "filter":
+        keep &= ~mb.truncated[:, None]
+    return keep
 
 
-def collate(samples: list, pad_id: int, device="cpu", pack: bool = True) -> dict:
-    """The trainer's input for one micro-batch, and its response-aligned tensors ([b] or [b, T], right-padded).
-
-    pack=True: one row [1, L] of the sequences back to back, with position_ids restarting at 0 for each,
-    and no attention_mask: transformers then derives a block-diagonal causal mask from the position resets
-    (masking_utils.find_packed_sequence_indices; only with attention_mask=None and no KV cache), so no
-    token attends across sequences. pack=False: rows [b, L], right-padded, with an attention_mask.
-    Response token t of sample i sits at (rows, cols) = (row of i, start of i + P_i + t) and is predicted
-    by the hidden state one column earlier (P_i = prompt length)."""
-    seqs = [s.prompt_ids + s.tokens for s in samples]
-    T = max(len(s.tokens) for s in samples)
-    if pack:
-        ids = torch.tensor([[t for seq in seqs for t in seq]], dtype=torch.long)  # [1, L]
-        pos = torch.cat([torch.arange(len(seq)) for seq in seqs])[None]  # [1, L]
-        starts = [0] + list(itertools.accumulate(map(len, seqs)))[:-1]
-        inputs = {"input_ids": ids, "position_ids": pos}
-    else:
-        L = max(map(len, seqs))
-        ids = torch.full((len(samples), L), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(samples), L), dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            ids[i, :len(seq)] = torch.tensor(seq)
-            attn[i, :len(seq)] = 1
-        starts = [0] * len(samples)
-        inputs = {"input_ids": ids, "attention_mask": attn}
-    resp_mask = torch.zeros((len(samples), T), dtype=torch.bool)
-    behaviour = torch.zeros((len(samples), T))
-    versions = torch.full((len(samples), T), -1, dtype=torch.long)
-    rows, cols = [], []
-    for i, (s, start) in enumerate(zip(samples, starts)):
-        n, p = len(s.tokens), len(s.prompt_ids)
-        resp_mask[i, :n] = True
-        behaviour[i, :n] = torch.tensor(s.logprobs)
-        versions[i, :n] = torch.tensor(s.versions)
-        rows += [0 if pack else i] * n
-        cols += range(start + p - 1, start + p - 1 + n)
-    targets = torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long)
-    out = {**inputs, "resp_mask": resp_mask, "behaviour": behaviour, "versions": versions,
-           "rows": torch.tensor(rows), "cols": torch.tensor(cols), "targets": targets,
-           "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
-           "truncated": torch.tensor([s.finish == "truncated" for s in samples])}
-    return {k: v.to(device) for k, v in out.items()}
+def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg) -> list[list[MicroBatch]]:
+    """Mini-batches are optimizer steps (whole groups, in order); micro-batches are forward/backward calls.
+    Under torchrun each rank takes a share of every mini-batch (balanced by tokens); a rank with fewer
+    micro-batches than another runs empty stand-ins, so that every rank's collectives line up."""
+    per_mini = len(samples) if cfg.mini_batch <= 0 else cfg.mini_batch
+    minis = []
+    for lo in range(0, len(samples), per_mini):
+        idx = list(range(lo, min(lo + per_mini, len(samples))))
+        mine = model_lib.rank_share([len(samples[i].prompt_ids) + len(samples[i].tokens) for i in idx],
+                                    model_lib.rank(), model_lib.world())
+        mine = [idx[j] for j in mine]
+        mbs = [[mine[j] for j in mb] for mb in model_lib.micro_batches([samples[i] for i in mine],
+                                                                         cfg.max_tokens_per_micro_batch, cfg.pack)]
+        collated = []
+        for mb_idx in mbs:
+            mb = model_lib.collate([samples[i] for i in mb_idx], pad_id, cfg.device, cfg.pack)
+            mb.adv = adv[mb_idx].to(cfg.device)
+            collated.append(mb)
+        for _ in range(int(model_lib.all_max(len(mbs))) - len(mbs)):  # a real sample's shapes, nothing kept
+            mb = model_lib.collate([samples[0]], pad_id, cfg.device, cfg.pack)
+            mb.adv, mb.empty = torch.zeros(1, device=cfg.device), True
+            collated.append(mb)
+        minis.append(collated)
+    return minis
 
 
-def old_logprobs(is_mode: str, current: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor:
-    """pi_old of the importance ratio (UloRL 3.1), [b, T]:
-    - tois / sais: the behaviour log-probs stored at sampling time. With one segment (TOIS) that is the one
-      policy that sampled the sample; with several (SAIS) each token's own segment's policy.
-    - pois: the current weights' log-probs of the whole sample, recomputed before the update, so the ratio
-      starts at exactly 1 for every token (pseudo on-policy; UloRL's choice)."""
-    if is_mode == "pois":
-        return current
-    if is_mode in ("tois", "sais"):
-        return behaviour
-    raise ValueError(f"--is-mode must be tois, sais or pois, got {is_mode!r}")
+@torch.no_grad()
+def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg) -> tuple[dict, float]:
+    """Step 5, one pass with the weights about to be updated: pi_old (loss.old_logprobs: POIS takes these
+    current log-probs), the reference's log-probs for the KL, entropy and the keep mask; and how far the
+    engine's behaviour log-probs are from the trainer's on the tokens these very weights sampled.
+    Returns (sums for the metrics, the largest engine/trainer gap)."""
+    stats, diff_max = {"entropy": 0.0, "tokens": 0, "kept": 0, "diff_sum": 0.0, "diff_n": 0}, 0.0
+    for mbs in minis:
+        for mb in mbs:
+            cur, entropy = policy(mb, cfg.temperature)
+            mb.old = old_logprobs(cfg.is_mode, cur, mb.behaviour)
+            if ref is not None:
+                mb.ref = ref(mb, cfg.temperature)[0]
+            mb.keep = keep_mask(mb, cur, entropy, cfg)
+            if mb.empty:
+                continue
+            gap = (cur - mb.behaviour).abs()[mb.versions == version]
+            stats["entropy"] += entropy[mb.resp_mask].sum().item()
+            stats["tokens"] += int(mb.resp_mask.sum())
+            stats["kept"] += int(mb.keep.sum())
+            if gap.numel():
+                diff_max = max(diff_max, gap.max().item())
+                stats["diff_sum"] += gap.sum().item()
+                stats["diff_n"] += gap.numel()
+    return stats, diff_max
 
 
-def rank_share(lengths: list[int], rank: int, world: int) -> list[int]:
-    """The positions of a mini-batch that trainer rank `rank` of `world` trains on: longest sequence first,
-    each to the rank with the fewest tokens so far (ties: the lowest rank), so ranks get about equal work.
-    Every rank computes the same split from the same batch. One process: everything."""
-    if world == 1:
-        return list(range(len(lengths)))
-    load, owner = [0] * world, {}
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        r = min(range(world), key=lambda r: load[r])
-        owner[i], load[r] = r, load[r] + lengths[i]
-    return [i for i in range(len(lengths)) if owner[i] == rank]
+def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg) -> tuple[dict, float, int, torch.Tensor]:
+    """Step 6: one optimizer step per mini-batch, gradients accumulated over its micro-batches. An update
+    whose loss or gradient is NaN/inf on any rank is skipped: the optimizer never sees it.
+    Returns (token-weighted metric sums, the largest ratio, updates skipped, the last gradient norm)."""
+    policy.train()
+    totals: dict = {}
+    skipped, grad_norm, ratio_max = 0, torch.tensor(float("nan")), 0.0
+    for mbs in minis:
+        # The one place that decides what the loss averages over: the kept response tokens (after DMMPTs and
+        # overlong filtering) of *all* micro-batches of this optimizer step on all ranks (samples, for
+        # agg="sample"). DDP and FSDP average gradients over ranks; scaling by the world size makes it a sum.
+        local = sum(int(mb.keep.sum()) if cfg.agg == "token" else int((mb.keep.sum(1) > 0).sum()) for mb in mbs)
+        denom = model_lib.all_sum({"n": local})["n"]
+        opt.zero_grad(set_to_none=True)
+        finite = True
+        for i, mb in enumerate(mbs):
+            with model_lib.grad_sync(policy, last=i == len(mbs) - 1):
+                logprobs, _ = policy(mb, cfg.temperature)
+                loss, m = policy_loss(logprobs, mb.old, mb.adv, mb.keep, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                                      ref_logprobs=mb.ref, kl_coef=cfg.kl_coef, agg=cfg.agg, denom=denom,
+                                      tis_cap=cfg.tis_cap or None, behaviour_logprobs=mb.behaviour)
+                (loss * model_lib.world()).backward()
+            finite &= bool(torch.isfinite(loss))
+            if mb.empty:
+                continue
+            w = int(mb.keep.sum())
+            ratio_max = max(ratio_max, m.pop("ratio/max"))  # a max, not a mean
+            for k, v in m.items():  # the loss already carries the global denominator: it adds up
+                totals[k] = totals.get(k, 0.0) + (v if k == "loss/policy" else v * w)
+            totals["_w"] = totals.get("_w", 0) + w
+        grad_norm = model_lib.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip))
+        if not (model_lib.all_true(finite) and torch.isfinite(grad_norm)):
+            opt.zero_grad(set_to_none=True)
+            skipped += 1
+            continue
+        opt.step()
+        sched.step()
+    return totals, ratio_max, skipped, grad_norm
+
+
+def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg) -> dict:
+    """Steps 5-6 on a batch of complete, informative groups (the same batch on every rank); `version` is the
+    policy version of the current weights. `policy` and `ref` are model.wrap()ped: they map a micro-batch to
+    response log-probs and entropy. `cfg` is train.py's Config. Returns the step's training metrics."""
+    samples = [s for g in groups for s in g]
+    minis = plan_micro_batches(samples, sample_advantages(groups), pad_id, cfg)
+    stats, diff_max = prepare(policy, ref, minis, version, cfg)
+    totals, ratio_max, skipped, grad_norm = optimize(policy, opt, sched, minis, cfg)
+    totals = model_lib.all_sum({**totals, **stats})
+    stats = {k: totals.pop(k) for k in list(stats)}
+    w, ratio_max, diff_max = max(totals.pop("_w", 0), 1), model_lib.all_max(ratio_max), model_lib.all_max(diff_max)
+    out = {k: (v / len(minis) if k == "loss/policy" else v / w) for k, v in totals.items()}
+    out["ratio/max"] = ratio_max
+    out = {k: (v if math.isfinite(v) else None) for k, v in out.items()}  # JSON has no NaN
+    out.update({"train/samples": len(samples), "train/lr": sched.get_last_lr()[0],
+                "train/grad_norm": grad_norm.item() if torch.isfinite(grad_norm) else None,
+                "train/optimizer_steps": len(minis) - skipped, "train/skipped_updates": skipped,
+                "entropy/mean": stats["entropy"] / max(stats["tokens"], 1),
+                "mpt/masked_frac": 1 - stats["kept"] / max(stats["tokens"], 1),
+                "rollout/logprob_diff_max": diff_max,
+                "rollout/logprob_diff_mean": stats["diff_sum"] / max(stats["diff_n"], 1)})
+    return out
+
+
+def count_bad_steps(m: dict, state: RunState, cfg, warn: bool = True) -> None:
+    """Updates skipped for a NaN/inf loss or gradient are reported (`m` is update()'s metrics); --max-bad-steps
+    steps in a row without any applied update stop the run."""
+    if not m["train/skipped_updates"]:
+        state.bad_steps = 0
+        return
+    state.bad_steps = state.bad_steps + 1 if m["train/optimizer_steps"] == 0 else 0
+    if warn:
+        print(f"warning: step {state.step + 1}: skipped {m['train/skipped_updates']} update(s) with a NaN/inf loss "
+              f"or gradient ({state.bad_steps} step(s) in a row)", file=sys.stderr, flush=True)
+    if state.bad_steps >= cfg.max_bad_steps:
+        raise RuntimeError(f"{state.bad_steps} steps in a row had only NaN/inf losses or gradients; "
+                           f"stopping. Look at samples.jsonl for odd rewards; lower --lr; the newest "
+                           f"checkpoint in {cfg.out} holds the last good weights")
+
+
+def reset_reference(policy_lm, ref_lm, opt, ref=None) -> None:
+    """ProRL's reset: the reference becomes the current policy and AdamW forgets its moments. `ref`: the
+    reference as model.wrap()ped; under FSDP2 its root keeps full (unsharded) parameters after a forward
+    with no backward, so it is resharded first, to match the policy's shards."""
+    if hasattr(ref, "reshard"):
+        ref.reshard()
+    with torch.no_grad():
+        for (name, p), (ref_name, r) in zip(policy_lm.named_parameters(), ref_lm.named_parameters()):
+            assert name == ref_name, (name, ref_name)
+            r.copy_(p)
+    opt.state.clear()

@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+import tiny
+
 
 @pytest.fixture(scope="module")
 def one_thread():
@@ -11,3 +13,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny.make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def lm(tok):
+    """A small *random* tiny model (fp32, CPU), shared by a module's tests: those that change weights work on
+    a deepcopy. Its next-token distribution is close to uniform over 17 tokens, so EOS (p ~ 1/17 per token)
+    ends some responses and the caps end others."""
+    return tiny.make_model(tok, seed=0).eval()

@@ -16,6 +16,7 @@ import data
 import engine as engine_lib
 import eval as ev
 import model as model_lib
+import reward
 import tiny
 from engine import Sampling
 
@@ -53,7 +54,8 @@ def test_majority_vote_ties_and_missing_answers():
     # samples without an answer (or truncated) do not vote
     assert ev.majority_correct([None, None, "5"], [False, False, True])
     assert not ev.majority_correct([None, None], [False, False])
-    assert ev.tiny_answer("4=7,5=12:12") == "12" and ev.tiny_answer("4=7,5=12") is None
+    assert reward.final_answer("tiny", "4=7,5=12:12") == "12" and reward.final_answer("tiny", "4=7,5=12") is None
+    assert reward.final_answer("math", r"so \boxed{12}") == "12" and reward.final_answer("code", "12") is None
 
 
 def test_summarize_on_hand_made_results():
@@ -128,9 +130,9 @@ def test_benchmark_formats(tmp_path, fmt):
         import datasets
         path = tmp_path / "bench_ds"
         datasets.Dataset.from_list(ROWS).save_to_disk(str(path))
-    rows = ev.load_problems(ev.parse_args(["--data", str(path), "--n-problems", "0"]))
+    rows = data.load_prompts(str(path), held_out=True, split="train")
     assert [{k: r[k] for k in ("prompt", "answer", "verifier")} for r in rows] == ROWS
-    assert len(ev.load_problems(ev.parse_args(["--data", str(path), "--n-problems", "2"]))) == 2
+    assert len(data.load_prompts(str(path), held_out=True, n=2, split="train")) == 2
 
 
 def test_presets_and_overrides():

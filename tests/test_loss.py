@@ -1,8 +1,8 @@
-"""Tests for loss.py, the pure tensor functions of the objective (SPEC sections 1, 3, 4; DESIGN "Contracts"):
+"""Tests for loss.py, the pure tensor functions of the objective:
 group advantages, the clipped token-/sample-level loss with decoupled clips, the global denominator across
 micro-batches, the k3 KL, the DMMPT mask, chunked token log-probs/entropy, the loss metrics and truncated
 importance sampling. Expected values are computed by hand (arithmetic in the comments) or by a naive
-per-token Python loop over SPEC's formula. CPU, a few seconds.
+per-token Python loop over the papers' formula. CPU, a few seconds.
 
     python -m pytest tests/test_loss.py -q
 """
@@ -125,7 +125,7 @@ def test_policy_loss_symmetric_default_clip_differs_on_hand_case():
 
 
 def _naive_per_token(lp, old, adv, eps_low, eps_high, ref=None, kl_coef=0.0):
-    """[B][T] nested lists of SPEC's per-token loss -min(rho A, clip(rho) A) + kl_coef * k3, plain Python."""
+    """[B][T] nested lists of the per-token loss -min(rho A, clip(rho) A) + kl_coef * k3, plain Python."""
     B, T = len(lp), len(lp[0])
     out = []
     for i in range(B):

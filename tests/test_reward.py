@@ -1,4 +1,4 @@
-"""Tests for reward.py: answer extraction, math equivalence (a table of cases written for issue 6, and
+"""Tests for reward.py: answer extraction, math equivalence (a table of hand-written cases, and
 adversarial inputs), the tiny task, Reasoning Gym and instruction-following rewards, the generative verifier
 (with real, tiny judge models trained here in seconds), overlong handling, and the worker pool's ordering,
 error and timeout accounting. Values are computed by hand. (Code rewards: tests/test_sandbox.py.)
@@ -200,7 +200,7 @@ def test_score_batch_kills_hanging_check_and_recovers(monkeypatch):
     assert len(reward._POOL) == 2 and all(w.proc.is_alive() for w in reward._POOL)
 
 
-# ---------------------------------------------------------------------------- the math table (issue 6, acceptance 1)
+# ---------------------------------------------------------------------------- the math table
 
 def B(s):
     return "so the answer is \\boxed{" + s + "}."
@@ -264,7 +264,7 @@ MATH_TABLE = [
     ("", "1", False),
 ]
 
-# The pairs the rule-based check gets wrong: the ones UloRL's generative verifier is for (SPEC section 5).
+# The pairs the rule-based check gets wrong: the ones UloRL's generative verifier is for.
 KNOWN_MISSES = {("so the answer is \\boxed{27 cm}.", "0.27 m"), (r"\boxed{\text{one half}}", "1/2")}
 
 
@@ -282,7 +282,7 @@ def test_math_boxed_has_no_fallback():
     assert reward.VERIFIERS["math"]("it is 0.5", "1/2") == 1.0
 
 
-# ---------------------------------------------------------------------------- adversarial answers (acceptance 2)
+# ---------------------------------------------------------------------------- adversarial answers
 
 ADVERSARIAL = [
     "7" * 1_000_000,  # a 1 MB answer (one huge number, the last-number fallback)
@@ -437,10 +437,20 @@ def train_judge(tokenizer, reply: str, steps: int = 40):
     return model.eval()
 
 
+def make_judge(model, tokenizer, mode="second_opinion") -> reward.Judge:
+    """A reward.Judge over the real transformers engine, greedy (what eval.load_judge builds from a path)."""
+    import functools
+
+    import data
+    from engine import Sampling, make_engine
+    return reward.Judge(make_engine("hf", model, tokenizer, 0), functools.partial(data.encode_prompt, tokenizer),
+                        functools.partial(tokenizer.batch_decode, skip_special_tokens=True),
+                        Sampling(temperature=1.0, top_k=1), mode)
+
+
 @pytest.fixture(scope="module")
 def judges(tmp_path_factory):
-    """{"yes": (engine, tokenizer, checkpoint dir), "no": ...}: real models, real HF engine."""
-    from engine import make_engine
+    """{"yes": (judge, checkpoint dir), "no": ...}: real models, real HF engine."""
     tokenizer = char_tokenizer()
     out = {}
     for reply in ("yes", "no"):
@@ -448,7 +458,7 @@ def judges(tmp_path_factory):
         path = str(tmp_path_factory.mktemp(f"judge_{reply}"))
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
-        out[reply] = (make_engine("hf", model, tokenizer, 0), tokenizer, path)
+        out[reply] = (make_judge(model, tokenizer), path)
     return out
 
 
@@ -456,32 +466,32 @@ def test_judge_through_the_engine(judges):
     items = [("What is 3+4?", "7", "7"), ("Length?", "27 cm", "0.27 m"), ("q", None, "1"), ("q", " ", "1"),
              ("q", "9" * 2000, "1")]
     for reply, verdict in (("yes", True), ("no", False)):
-        engine, tokenizer, _ = judges[reply]
         # missing, empty and over-long predictions are a no without asking the judge
-        assert reward.judge(engine, tokenizer, items) == [verdict, verdict, False, False, False]
-    assert reward.judge(judges["yes"][0], judges["yes"][1], []) == []
+        assert reward.judge(judges[reply][0], items) == [verdict, verdict, False, False, False]
+    assert reward.judge(judges["yes"][0], []) == []
 
 
 def test_judge_rewards_alone_and_second_opinion(judges):
+    import dataclasses
     rows = [{"prompt": "3+4=", "answer": "7", "verifier": "math"}] * 3 + [{"prompt": "3+4=", "answer": "7",
                                                                             "verifier": "tiny"}]
     responses = [r"\boxed{7}", r"\boxed{8}", "no answer here", "4=8:8"]
     rule = [1.0, 0.0, 0.0, 0.0]
-    engine, tokenizer, _ = judges["yes"]
+    yes, no = judges["yes"][0], judges["no"][0]
     # second opinion: only the rule-based zeros of math rows are asked; "no answer" is a no without asking
-    assert reward.judge_rewards(engine, tokenizer, rows, responses, rule, "second_opinion") == ([1.0, 1.0, 0.0, 0.0], 2)
-    assert reward.judge_rewards(engine, tokenizer, rows, responses, rule, "alone") == ([1.0, 1.0, 0.0, 0.0], 3)
-    engine, tokenizer, _ = judges["no"]
-    assert reward.judge_rewards(engine, tokenizer, rows, responses, rule, "second_opinion") == ([1.0, 0.0, 0.0, 0.0], 2)
-    assert reward.judge_rewards(engine, tokenizer, rows, responses, rule, "alone") == ([0.0, 0.0, 0.0, 0.0], 3)
+    assert reward.judge_rewards(yes, rows, responses, rule) == ([1.0, 1.0, 0.0, 0.0], 2)
+    assert reward.judge_rewards(dataclasses.replace(yes, mode="alone"), rows, responses, rule) == ([1.0, 1.0, 0.0, 0.0], 3)
+    assert reward.judge_rewards(no, rows, responses, rule) == ([1.0, 0.0, 0.0, 0.0], 2)
+    assert reward.judge_rewards(dataclasses.replace(no, mode="alone"), rows, responses, rule) == ([0.0, 0.0, 0.0, 0.0], 3)
     with pytest.raises(ValueError, match="verifier mode"):
-        reward.judge_rewards(engine, tokenizer, rows, responses, rule, "sometimes")
+        reward.judge_rewards(dataclasses.replace(no, mode="sometimes"), rows, responses, rule)
 
 
-def test_train_score_loads_the_judge_by_name(judges):
-    """train.score with --verifier-model: the judge is loaded from its directory on first use (tiny policy)."""
-    import tiny  # here, not at the top: pool workers import this file to find _hang & co, and must stay light
-    import train
+def test_score_samples_with_a_judge_loaded_by_name(judges):
+    """reward.score_samples with a judge that eval.load_judge loads from its directory (what train.py does
+    with --verifier-model), on the tiny policy's samples."""
+    import eval as ev  # here, not at the top: pool workers import this file to find _hang & co, and must stay light
+    import tiny
     from segment_rollout import Sample
     policy_tok = tiny.make_tokenizer()
     rows = [{"prompt": "3+4=", "answer": "7", "verifier": "math"},
@@ -490,12 +500,12 @@ def test_train_score_loads_the_judge_by_name(judges):
     for i, (row, text) in enumerate([(rows[0], "4=7:7"), (rows[0], "4=8:8"), (rows[1], "4=8:8")]):
         ids = policy_tok(text).input_ids + [policy_tok.eos_token_id]
         samples.append(Sample(i, 0, policy_tok(row["prompt"]).input_ids, row, tokens=ids, finish="eos"))
-    for mode, reply, expected, calls in (("off", "yes", [1.0, 0.0, 0.0], None),
+    texts = policy_tok.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
+    for mode, reply, expected, calls in ((None, "yes", [1.0, 0.0, 0.0], None),
                                          ("second_opinion", "yes", [1.0, 1.0, 0.0], 1),
                                          ("alone", "no", [0.0, 0.0, 0.0], 2)):
-        cfg = train.parse_config(["--verifier-model", judges[reply][2], "--verifier-mode", mode])
-        metrics = train.score(samples, policy_tok, cfg)
+        judge = ev.load_judge(judges[reply][1], mode) if mode else None
+        metrics = reward.score_samples(samples, texts, max_len=64, judge=judge)
         assert [s.reward for s in samples] == expected, mode
         assert metrics.pop("reward/judge_calls", None) == calls  # math rows asked: the tiny row never is
         assert metrics == {"reward/timeouts": 0, "reward/errors": 0}
-    assert set(train._JUDGES) == {judges["yes"][2], judges["no"][2]}

@@ -1,4 +1,4 @@
-"""The real trainer on a mixed math + Reasoning Gym dataset with the tiny model (issue 6, acceptance 4): rows of
+"""The real trainer on a mixed math + Reasoning Gym dataset with the tiny model: rows of
 both sources are drawn, each scored by its own verifier, and the reward curve is logged. The tiny model only
 knows its addition task, so puzzle rewards are ~0 (its character tokenizer reads the letters of a puzzle as
 <unk>); the math rows hold tiny-style sums, which it does solve.

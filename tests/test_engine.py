@@ -1,0 +1,131 @@
+"""The transformers engine: behaviour log-probs against a naive recomputation (temperature, top-p, top-k),
+budgets and stop ids, the RNG state, inverse-CDF sampling by hand, and keyed draws that ignore the batch
+and the segmentation. (vLLM: tests/test_vllm.py.)
+
+    python -m pytest tests/test_engine.py -q
+"""
+import pytest
+import torch
+
+import engine as engine_lib
+from engine import HFEngine, Sampling
+from naive import PROMPTS, TOL, ids, naive_dists
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.mark.parametrize("sampling", [
+    Sampling(1.0), Sampling(0.7), Sampling(1.3, top_p=0.6), Sampling(1.0, top_k=4),
+    Sampling(0.8, top_p=0.8, top_k=8),
+], ids=["T1", "T0.7", "top_p", "top_k", "top_k+top_p"])
+def test_engine_logprobs_match_naive_recomputation(tok, lm, sampling):
+    prompts = [ids(tok, p) for p in PROMPTS * 2]
+    budgets = [9, 0, 14, 5, 20, 3, 12, 7]
+    eng = HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=1)
+    gens = eng.generate(prompts, budgets, sampling)
+    assert len(gens) == len(prompts)
+    n_checked = 0
+    for p, g, budget in zip(prompts, gens, budgets):
+        assert len(g.tokens) == len(g.logprobs) <= budget
+        dists = naive_dists(lm, p, g.tokens, sampling)
+        for x, lp, d in zip(g.tokens, g.logprobs, dists):
+            assert x in d, f"sampled token {x} is outside the kept set {sorted(d)} ({sampling})"
+            assert abs(lp - d[x]) < TOL, (lp, d[x], sampling)
+            n_checked += 1
+        if sampling.top_p < 1 or sampling.top_k > 0:  # the truncation really removed tokens
+            assert all(len(d) < len(tok) for d in dists)
+    assert n_checked >= 20
+
+
+def test_engine_budgets_and_finish(tok, lm):
+    prompts = [ids(tok, p) for p in PROMPTS * 4]
+    budgets = [0, 1, 3, 25, 8, 0, 17, 2, 30, 5, 11, 0, 6, 22, 4, 9]
+    eos = tok.eos_token_id
+    gens = HFEngine(lm, [eos], tok.pad_token_id, seed=3).generate(prompts, budgets, Sampling(1.0))
+    for g, budget in zip(gens, budgets):
+        assert len(g.tokens) == len(g.logprobs) <= budget
+        if budget == 0:
+            assert g.tokens == [] and g.finish == "length"
+        assert (g.finish == "stop") == (len(g.tokens) > 0 and g.tokens[-1] == eos)
+        assert eos not in g.tokens[:-1], "decoding must stop at the first stop token"
+        if g.finish == "length":
+            assert len(g.tokens) == budget, "'length' means the budget was used up"
+    finishes = [g.finish for g, b in zip(gens, budgets) if b > 0]
+    assert "stop" in finishes and "length" in finishes  # both paths exercised
+    empty = HFEngine(lm, [eos], tok.pad_token_id, seed=3).generate(prompts[:3], [0, 0, 0], Sampling(1.0))
+    assert [(g.tokens, g.logprobs, g.finish) for g in empty] == [([], [], "length")] * 3
+
+
+def test_engine_multiple_stop_ids(tok, lm):
+    """Every id in stop_ids ends a response (Qwen3 chat models stop on two)."""
+    stops = [tok.eos_token_id, tok.convert_tokens_to_ids("+"), tok.convert_tokens_to_ids(",")]
+    prompts = [ids(tok, p) for p in PROMPTS * 3]
+    gens = HFEngine(lm, stops, tok.pad_token_id, seed=0).generate(prompts, [15] * len(prompts), Sampling(1.0))
+    for g in gens:
+        assert not set(g.tokens[:-1]) & set(stops)
+        assert (g.finish == "stop") == (g.tokens[-1] in stops)
+    assert {g.tokens[-1] for g in gens if g.finish == "stop"} - {tok.eos_token_id}, "a non-EOS stop id was hit"
+
+
+def test_engine_rng_state_reproduces(tok, lm):
+    prompts = [ids(tok, p) for p in PROMPTS]
+    budgets, sampling = [10, 6, 12, 8], Sampling(1.0)
+    eng = HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=7)
+    state = eng.rng_state()
+    first = eng.generate(prompts, budgets, sampling)
+    second = eng.generate(prompts, budgets, sampling)  # the generator moved on
+    assert [g.tokens for g in first] != [g.tokens for g in second]
+    eng.set_rng_state(state)
+    assert eng.generate(prompts, budgets, sampling) == first
+    assert HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=7).generate(prompts, budgets, sampling) == first
+    assert HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=8).generate(prompts, budgets, sampling) != first
+
+
+def test_inverse_cdf_sampling_by_hand():
+    """probs [0.25, 0, 0.5, 0.25]: cdf [0.25, 0.25, 0.75, 1]; u picks the token whose interval holds it,
+    and token 1 (probability 0, an empty interval) is never picked, not even at its boundary u = 0.25."""
+    logp = torch.tensor([[0.25, 0.0, 0.5, 0.25]]).log().expand(8, 4)
+    u = torch.tensor([0.0, 0.1, 0.2499, 0.2501, 0.45, 0.7499, 0.7501, 0.9999999], dtype=torch.float64)
+    assert engine_lib.sample_tokens(logp, u).tolist() == [0, 0, 0, 2, 2, 2, 3, 3]
+    at_boundary = torch.tensor([0.25 - 1e-12, 0.25, 0.25 + 1e-12], dtype=torch.float64)
+    assert 1 not in engine_lib.sample_tokens(logp[:3], at_boundary).tolist()
+
+
+def test_keyed_uniforms_follow_the_distribution():
+    """20k draws over keys x positions: each token's frequency within 4 standard errors of its probability,
+    and the uniforms themselves look uniform (mean 1/2, no repeats)."""
+    keys, positions = [k for k in range(200) for _ in range(100)], [p for _ in range(200) for p in range(100)]
+    u = engine_lib.uniforms(5, keys, positions)
+    assert abs(u.mean().item() - 0.5) < 4 * (1 / 12 / len(u)) ** 0.5 and len(set(u.tolist())) == len(u)
+    probs = torch.tensor([0.05, 0.15, 0.3, 0.5])
+    counts = torch.bincount(engine_lib.sample_tokens(probs.log().expand(len(u), 4), u), minlength=4)
+    for p, c in zip(probs.tolist(), counts.tolist()):
+        assert abs(c / len(u) - p) < 4 * (p * (1 - p) / len(u)) ** 0.5, (p, c)
+
+
+def test_keyed_draws_ignore_batch_and_segments(tok, lm):
+    """With keys, a request's tokens depend on (seed, key, position) only: the same alone or in another
+    batch, and a response continued in segments equals the one decoded in one call (T = 1, top-p)."""
+    eng = HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=4)
+    sampling = Sampling(1.0, top_p=0.95)
+    prompts = [ids(tok, p) for p in PROMPTS * 4]
+    keys = list(range(100, 116))
+    whole = eng.generate(prompts, [24] * 16, sampling, keys=keys)
+    alone = eng.generate(prompts[5:6], [24], sampling, keys=keys[5:6])
+    assert (alone[0].tokens, alone[0].finish) == (whole[5].tokens, whole[5].finish)
+    reordered = eng.generate(prompts[::-1], [24] * 16, sampling, keys=keys[::-1])[::-1]
+    assert [g.tokens for g in reordered] == [g.tokens for g in whole]  # log-probs: equal up to padding's rounding
+    tokens, logps = [[] for _ in prompts], [[] for _ in prompts]
+    for _ in range(3):  # three segments of 8 tokens
+        live = [i for i in range(16) if len(tokens[i]) == 8 * _ and (not tokens[i] or tokens[i][-1] != tok.eos_token_id)]
+        gens = eng.generate([prompts[i] + tokens[i] for i in live], [8] * len(live), sampling,
+                            keys=[keys[i] for i in live])
+        for i, g in zip(live, gens):
+            tokens[i] += g.tokens
+            logps[i] += g.logprobs
+    assert tokens == [g.tokens for g in whole]
+    assert max(abs(a - b) for i, g in enumerate(whole) for a, b in zip(g.logprobs, logps[i])) < TOL
+    assert any(len(g.tokens) > 8 for g in whole) and len({tuple(g.tokens) for g in whole}) > 4
+    other_seed = HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=5).generate(prompts, [24] * 16, sampling,
+                                                                                     keys=keys)
+    assert [g.tokens for g in other_seed] != [g.tokens for g in whole]

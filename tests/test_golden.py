@@ -1,0 +1,60 @@
+"""A change that should not alter numbers reproduces the first steps of a fixed-seed run: the tiny default
+(one process) and a 2-rank FSDP run with a KL reference reset every 2 steps, 5 steps each, one thread,
+against the records in tests/golden/ (every key of metrics.jsonl but timing, git hash and config).
+
+A change that alters training numbers on purpose regenerates them, and says so in its commit:
+
+    OMP_NUM_THREADS=1 python train.py --steps 5 --eval-n 128 --out /tmp/g1
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 train.py --steps 5 --parallel fsdp --eval-n 64 \\
+        --kl-coef 0.01 --ref-reset-every 2 --out /tmp/g2
+    python tests/test_golden.py /tmp/g1 /tmp/g2              # writes tests/golden/{one,fsdp}.jsonl
+
+    python -m pytest tests/test_golden.py -q                 # ~1.5 minutes on 2 cores
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(ROOT, "tests", "golden")
+SKIP = {"time/step_s", "time/rollout_s", "tokens/per_s", "git", "config"}
+RUNS = {"one": ([sys.executable], ["--steps", "5", "--eval-n", "128"]),
+        "fsdp": ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+                 ["--steps", "5", "--parallel", "fsdp", "--eval-n", "64", "--kl-coef", "0.01", "--ref-reset-every", "2"])}
+
+
+def records(path: str) -> list[dict]:
+    with open(path) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in SKIP} for line in f if line.strip()]
+
+
+def same(a, b) -> bool:
+    """Equal, floats within 1e-4 relative: summation order inside BLAS kernels may differ on another CPU."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-7)
+    return a == b and type(a) is type(b)
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_first_steps_match_the_golden_record(name, tmp_path):
+    launcher, flags = RUNS[name]
+    proc = subprocess.run([*launcher, "train.py", *flags, "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    got, want = records(tmp_path / "metrics.jsonl"), records(os.path.join(GOLDEN, f"{name}.jsonl"))
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys(), (g["step"], g.keys() ^ w.keys())
+        diff = {k: (g[k], w[k]) for k in w if not same(g[k], w[k])}
+        assert not diff, f"step {w['step']}: {diff}"
+
+
+if __name__ == "__main__":  # regenerate: python tests/test_golden.py RUN_ONE RUN_FSDP
+    for name, run in zip(("one", "fsdp"), sys.argv[1:3]):
+        with open(os.path.join(GOLDEN, f"{name}.jsonl"), "w") as f:
+            for r in records(os.path.join(run, "metrics.jsonl")):
+                f.write(json.dumps(r, sort_keys=True) + "\n")
