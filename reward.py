@@ -14,8 +14,10 @@ overlong handling (`overlong_reward`: UloRL gives a truncated sample 0, DAPO a s
 Checks run in a persistent pool of processes because sympy can hang inside C code, where neither
 signals nor threads can interrupt it: a worker that overruns its deadline is killed and replaced.
 Workers come from the multiprocessing "forkserver", never from a fork of the trainer (which holds torch
-threads). As with any spawn/forkserver child, each worker imports the main script as `__mp_main__`,
-so `train.py` keeps its work under `if __name__ == "__main__":`.
+threads), and start without importing the main script (a spawn/forkserver child normally re-runs it:
+every public function here is safe to call from a plain script without an `if __name__ == "__main__":`
+guard, and a worker does not load torch because the trainer did). Verifiers therefore live in importable
+modules, never in the main script.
 """
 import atexit
 import functools
@@ -25,14 +27,16 @@ import logging
 import multiprocessing as mp
 import re
 import signal
+import sys
 import time
+import types
 import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 from multiprocessing.connection import wait as mp_wait
 
-from math_verify import parse, verify
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 import sandbox
 
@@ -92,12 +96,31 @@ def _parse(answer: str) -> list:
     return parse("\\boxed{" + answer + "}", parsing_timeout=None) or parse(answer, parsing_timeout=None)
 
 
+def _parse_reference(answer: str) -> list:
+    """A dataset's reference answer, usually bare ("3/4", "\\frac{3}{4}", "(1, 2)"), boxed by _parse; one that
+    brings its own delimiters ("$(3,2)$", "\\boxed{2}, \\boxed{3}") is read as it is first."""
+    if any(d in answer for d in ("$", "\\boxed", "\\(", "\\[")):
+        return parse(answer, parsing_timeout=None) or _parse(answer)
+    return _parse(answer)
+
+
 def _math_check(prediction: str, reference: str) -> float:
     gold, pred = _parse(reference), _parse(prediction)
     return float(bool(gold and pred and verify(gold, pred, timeout_seconds=None)))
 
 
+# math-verify's own extraction of a response's answer: \boxed{} first (several boxes form one set or tuple
+# list), then LaTeX anywhere ($...$, \[...\], "the answer is ..."), then plain expressions (the last number).
+_RESPONSE_EXTRACTION = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+
+
+def _math_response_check(text: str, reference: str) -> float:
+    gold, pred = _parse_reference(reference), parse(text, _RESPONSE_EXTRACTION, parsing_timeout=None)
+    return float(bool(gold and pred and verify(gold, pred, timeout_seconds=None)))
+
+
 MAX_ANSWER_CHARS = 1000  # a longer final answer is garbage (or an attack on the parser): 0 without parsing
+MAX_PARSE_CHARS = 10_000  # math-verify reads the end of a response's final text: where its answer is
 
 
 def math_equal(prediction: str, reference: str, timeout: float = 5.0) -> bool:
@@ -113,16 +136,26 @@ def math_equal(prediction: str, reference: str, timeout: float = 5.0) -> bool:
     return scores[0] == 1.0
 
 
-def math_reward(response: str, answer: str) -> float:
-    """The last \\boxed{} of the response (else its last number) equals the reference."""
-    prediction = extract_answer(response)
-    return float(prediction is not None and math_equal(prediction, answer))
+def math_reward(response: str, answer: str, timeout: float = 5.0) -> float:
+    """1 if the response's answer equals the reference, as math-verify reads it (_RESPONSE_EXTRACTION) from
+    the response's final text (after </think>, its last MAX_PARSE_CHARS characters); else 0. Cheap guards
+    first: an empty text, or a last \\boxed{} over MAX_ANSWER_CHARS, is 0 unparsed. Never raises; outside the
+    reward workers it runs in one of them, so it gives up (0) after `timeout` seconds."""
+    text = final_text(response)
+    boxed = extract_answer(text, fallback="none")
+    if not text.strip() or (boxed is not None and len(boxed) > MAX_ANSWER_CHARS):
+        return 0.0
+    text = text[-MAX_PARSE_CHARS:]
+    if _IN_WORKER:
+        return _math_response_check(text, answer)
+    scores, _, _ = _run_checks([(_ref(_math_response_check), text, answer)], timeout, workers=1)
+    return scores[0]
 
 
 def math_boxed_reward(response: str, answer: str) -> float:
-    """As math_reward without the last-number fallback: a response without \\boxed{} scores 0."""
-    prediction = extract_answer(response, fallback="none")
-    return float(prediction is not None and math_equal(prediction, answer))
+    """As math_reward, for responses with a \\boxed{} answer only: without one the response scores 0."""
+    text = final_text(response)
+    return math_reward(text, answer) if ("\\boxed" in text or "\\fbox" in text) else 0.0
 
 
 def tiny_answer(response: str) -> str | None:
@@ -340,8 +373,9 @@ def _ref(fn) -> str:
         found = _load(ref)
     except (ImportError, AttributeError):
         found = None
-    if found is not fn:
-        raise ValueError(f"verifier {ref} must be a module-level function so that workers can import it")
+    if found is not fn or fn.__module__ == "__main__":
+        raise ValueError(f"verifier {ref} must be a module-level function of an importable module (not the main "
+                         f"script) so that workers can import it")
     return ref
 
 
@@ -372,7 +406,13 @@ class _Worker:
         ctx.set_forkserver_preload([__name__])  # the server imports sympy once; forking from it is cheap
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
-        self.proc.start()
+        # A forkserver child re-imports the main script unless there is none to import: it needs nothing from
+        # it, and a script without a main guard would start workers again from inside the worker (an error).
+        main, sys.modules["__main__"] = sys.modules["__main__"], types.ModuleType("__main__")
+        try:
+            self.proc.start()
+        finally:
+            sys.modules["__main__"] = main
         child.close()
         self.ready, self.pending, self.deadline = False, [], 0.0
 
