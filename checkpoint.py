@@ -94,13 +94,13 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
                 "torch_rng": torch.get_rng_state()}, os.path.join(tmp, f"trainer_state_rank{model_lib.rank()}.pt"))
     model_lib.barrier()
     if lead:
+        run_state = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "ready"}
         pool_state = {"unfinished": [dataclasses.asdict(s) for s in pools.unfinished],
                       "experience": [dataclasses.asdict(s) for g in pools.experience.values() for s in g],
                       "ready": [[dataclasses.asdict(s) for s in g] for g in state.ready],
                       "next_uid": pools.next_uid, "next_group": pools.next_group}
         with open(os.path.join(tmp, "ulorl_state.json"), "w") as f:
-            json.dump({"config": dataclasses.asdict(cfg), "git": git, "step": state.step, "version": state.version,
-                       "cursor": state.cursor, "bad_steps": state.bad_steps, "world_size": model_lib.world(),
+            json.dump({"config": dataclasses.asdict(cfg), "git": git, **run_state, "world_size": model_lib.world(),
                        "python_rng": random.getstate(), "pools": pool_state}, f)
         write_manifest(tmp)
         shutil.rmtree(path, ignore_errors=True)
@@ -170,5 +170,7 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState) -> None:
     for d in p.get("experience", p.get("finished", [])):  # "finished": the pool's name before it was renamed
         pools.experience.setdefault(d["group"], []).append(Sample(**d))
     pools.next_uid, pools.next_group = p["next_uid"], p["next_group"]
-    state.step, state.version, state.cursor = saved["step"], saved["version"], saved["cursor"]
-    state.bad_steps, state.ready = saved["bad_steps"], [[Sample(**d) for d in g] for g in p["ready"]]
+    for f in dataclasses.fields(RunState):  # step, version, cursor, ...; ready groups are with the pools
+        if f.name in saved and f.name != "ready":
+            setattr(state, f.name, saved[f.name])
+    state.ready = [[Sample(**d) for d in g] for g in p["ready"]]

@@ -14,8 +14,9 @@ Metrics, over n = --k samples per problem:
           without an extractable answer does not vote. Answers are compared as strings, so "0.5" and
           "1/2" are different votes.
 
-A sample is correct when its reward is > 0 after overlong handling "zero" (UloRL: a truncated response
-scores 0). train.py's held-out evaluation runs through `evaluate` here too (k = 1, one segment). `--segments S` decodes every response in S segments of at most max_response_len / S tokens,
+A sample is *solved* when its reward is full marks (>= 1) after overlong handling "zero" (UloRL: a truncated
+response scores 0): a program passing half its tests or a puzzle scored 0.5 counts toward the mean reward,
+reported beside, not toward avg@k / pass@k / maj@k. train.py's held-out evaluation runs through `evaluate` here too (k = 1, one segment). `--segments S` decodes every response in S segments of at most max_response_len / S tokens,
 refilling the batch with new problems as samples finish (segment_rollout.rollout_step, as in training),
 so one long response does not hold a whole batch. With the weights fixed this changes only scheduling:
 the transformers engine draws each token's random number from (seed, sample, position) alone, so the
@@ -168,7 +169,7 @@ def score(groups: list[list[Sample]], tokenizer, max_len: int, timeout: float, o
         recs = []
         for s in g:
             truncated = s.finish == "truncated"
-            recs.append((s.reward > 0, s.reward, None if truncated else reward.final_answer(s.row["verifier"], texts[i]),
+            recs.append((s.reward >= 1, s.reward, None if truncated else reward.final_answer(s.row["verifier"], texts[i]),
                          len(s.tokens), truncated))
             i += 1
         correct, rewards, answers, lengths, truncated = map(list, zip(*recs))
@@ -203,6 +204,7 @@ def print_table(report: dict) -> None:
           f"T {report['sampling']['temperature']} top_p {report['sampling']['top_p']} "
           f"top_k {report['sampling']['top_k']}, {report['time_s']:.1f}s")
     print(f"  {f'avg@{k}':<12}{report['avg@k']:.4f}")
+    print(f"  {'mean reward':<12}{report['mean_reward']:.4f}")
     for kk, v in report["pass@k"].items():
         print(f"  {f'pass@{kk}':<12}{v:.4f}")
     print(f"  {f'maj@{k}':<12}{report['maj@k']:.4f}")

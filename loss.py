@@ -64,57 +64,84 @@ def mpt_mask(logprobs: torch.Tensor, entropy: torch.Tensor, rewards: torch.Tenso
     return ~(masked_sample[:, None] & mastered & mask.bool())
 
 
-def old_logprobs(is_mode: str, current: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor:
-    """pi_old of the importance ratio (UloRL 3.1), [B, T]:
-    - tois / sais: the behaviour log-probs stored at sampling time. With one segment (TOIS) that is the one
-      policy that sampled the sample; with several (SAIS) each token's own segment's policy.
-    - pois: the current weights' log-probs of the whole sample, recomputed before the update, so the ratio
-      starts at exactly 1 for every token (pseudo on-policy; UloRL's choice)."""
+def old_logprobs(is_mode: str, current: torch.Tensor, behaviour: torch.Tensor, versions: torch.Tensor,
+                 version: int) -> torch.Tensor:
+    """pi_old of the importance ratio (UloRL 3.1), [B, T]. `current`: the trainer's log-probs under the
+    weights about to be updated, whose policy version is `version`; `behaviour`: the engine's log-probs when
+    each token was sampled, by the policy version in `versions` [B, T].
+    - tois (one segment, so every token was sampled by the current weights): the trainer's recomputed
+      log-probs, as verl does; the ratio starts at exactly 1.
+    - sais (Eq. 8): each token's own segment's policy: the trainer's recomputed log-probs for the tokens the
+      current weights sampled, the stored behaviour log-probs for the tokens older versions sampled.
+    - pois: the current weights' log-probs for every token, so the ratio starts at exactly 1 for all of them
+      (pseudo on-policy; UloRL's choice): only the last segment is truly on-policy."""
     if is_mode == "pois":
         return current
     if is_mode in ("tois", "sais"):
-        return behaviour
+        return torch.where(versions == version, current, behaviour)
     raise ValueError(f"--is-mode must be tois, sais or pois, got {is_mode!r}")
 
 
 def tis_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling: min(pi_old / pi_engine, cap) per token [B, T], a constant (no gradient)
-    that corrects for the engine sampling from a slightly different distribution than the trainer's pi_old."""
+    """Truncated importance sampling: min(pi_old / pi_behaviour, cap) per token [B, T], a constant (no
+    gradient). Where pi_old is the trainer's recomputation for the very weights that sampled (TOIS, SAIS's
+    fresh tokens) it corrects the engine/trainer mismatch (bf16, kernels); under POIS, on older segments, it
+    also corrects the gap between the version that sampled them and the current one. Where pi_old is the
+    behaviour log-prob itself (SAIS's older segments) it is 1."""
     return torch.exp(old_logprobs - behaviour_logprobs).clamp(max=cap).detach()
 
 
+LOG_RATIO_CLAMP = 20.0  # log-ratios (and the KL's log-ratio) are clamped to +-20 before exp, as verl does: finite
+KL_CLAMP = 10.0  # ... and k3 to at most 10 (verl's low_var_kl)
+
+
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimator k3 = exp(ref - logp) - (ref - logp) - 1: unbiased, always >= 0."""
-    d = ref_logprobs - logprobs
-    return d.exp() - d - 1
+    """Per-token KL(pi || ref) estimator k3 = exp(d) - d - 1 with d = ref - logp: unbiased, always >= 0.
+    d is clamped to +-LOG_RATIO_CLAMP and k3 to KL_CLAMP, so a token the reference finds impossible
+    cannot make the loss inf."""
+    d = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (d.exp() - d - 1).clamp(max=KL_CLAMP)
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.2,
                 ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0, agg: str = "token",
                 denom: float | torch.Tensor | None = None, tis_cap: float | None = None,
-                behaviour_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """Clipped surrogate with decoupled clip range (DAPO / ProRL) and optional k3 KL, as a loss to minimise.
+                behaviour_logprobs: torch.Tensor | None = None, pg_mask: torch.Tensor | None = None,
+                clip_ratio_c: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate with decoupled clip range (DAPO / ProRL), dual clip and optional k3 KL, as a loss
+    to minimise (UloRL Eq. 10 with the DMMPT mask).
 
-    logprobs, old_logprobs, mask: [B, T]; advantages: [B] or [B, T]. mask is 1 where a token trains.
-    per-token loss = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) + kl_coef * k3
-    agg="token":  sum over kept tokens / their count (DAPO; the default in both papers' code).
-    agg="sample": mean over each sample's kept tokens, then over samples with any kept token (GRPO).
-    denom: the count to divide by instead of this call's own (kept tokens for "token", samples for
-    "sample"); the trainer passes the count over *all* micro-batches and ranks so that gradients of a
-    split batch sum to those of the whole batch.
-    tis_cap: truncated importance-sampling correction of the engine/trainer mismatch: each token's loss
-    is weighted by min(exp(old - behaviour), tis_cap) (needs behaviour_logprobs); None = off.
+    logprobs, old_logprobs, mask: [B, T]; advantages: [B] or [B, T].
+    mask: 1 for every token the loss averages over (its denominator): the response tokens of samples that
+      are not filtered out. Each keeps its KL term.
+    pg_mask: 1 where the policy-gradient term counts (default: mask). DMMPTs drop the term of well-mastered
+      positive tokens, and only the term: they stay in the denominator and keep their KL (UloRL Eq. 10:
+      1/sum_i|o_i| * sum_i sum_t [1 - I_msk(i,t)] * min(r A, clip(r) A)).
+    per-token loss = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A), for A < 0 at most -A * clip_ratio_c
+      (dual clip; 0 = off), times the TIS weight, on pg_mask; + kl_coef * k3 on mask. r = exp(logp - old)
+      with the log-ratio clamped to +-20.
+    agg="token":  sum over mask tokens / their count (DAPO; the default in both papers' code).
+    agg="sample": mean over each sample's mask tokens, then over samples with any (GRPO).
+    denom: the count to divide by instead of this call's own (mask tokens for "token", samples for
+      "sample"); the trainer passes the count over *all* micro-batches and ranks so that gradients of a
+      split batch sum to those of the whole batch.
+    tis_cap: truncated importance sampling (tis_weights, needs behaviour_logprobs); None = off.
+    Metrics: ratio and clip statistics are means over pg_mask tokens, the KL over mask tokens.
     """
-    m = mask.to(logprobs.dtype)
+    m = mask.bool()
+    pg = m if pg_mask is None else pg_mask.bool() & m
     adv = advantages[:, None] if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
-    ratio = torch.exp(logprobs - old_logprobs)  # [B, T]
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)  # [B, T]
+    if clip_ratio_c:  # dual clip: a negative advantage's loss is capped, however large the ratio
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * clip_ratio_c), per_token)
     if tis_cap is not None:
         per_token = per_token * tis_weights(old_logprobs, behaviour_logprobs, tis_cap)
+    per_token = torch.where(pg, per_token, 0)  # padding may hold inf/nan: drop, not 0 * x
     kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(logprobs)
-    per_token = torch.where(m.bool(), per_token + kl_coef * kl, 0)  # padding may hold inf/nan: drop, not 0 * x
+    per_token = torch.where(m, per_token + kl_coef * kl, 0)
 
     if agg == "token":
         total, n = per_token.sum(), m.sum()
@@ -127,15 +154,16 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     loss = total / n.clamp(min=1)
 
     with torch.no_grad():
-        kept = m.bool()
-        n_kept = max(int(kept.sum()), 1)
+        n_pg, n_m = max(int(pg.sum()), 1), max(int(m.sum()), 1)
         adv_full = adv.expand_as(ratio)
         metrics = {
             "loss/policy": loss.item(),
-            "loss/kl": (kl * m).sum().item() / n_kept,
-            "clip/low_frac": ((adv_full < 0) & (ratio < 1 - eps_low) & kept).sum().item() / n_kept,
-            "clip/high_frac": ((adv_full > 0) & (ratio > 1 + eps_high) & kept).sum().item() / n_kept,
-            "ratio/mean": (ratio * m).sum().item() / n_kept,
-            "ratio/max": ratio[kept].max().item() if kept.any() else 1.0,
+            "loss/kl": torch.where(m, kl, 0).sum().item() / n_m,
+            "clip/low_frac": ((adv_full < 0) & (ratio < 1 - eps_low) & pg).sum().item() / n_pg,
+            "clip/high_frac": ((adv_full > 0) & (ratio > 1 + eps_high) & pg).sum().item() / n_pg,
+            "clip/dual_frac": ((adv_full < 0) & (ratio > clip_ratio_c) & pg).sum().item() / n_pg
+                              if clip_ratio_c else 0.0,
+            "ratio/mean": torch.where(pg, ratio, 0).sum().item() / n_pg,
+            "ratio/max": ratio[pg].max().item() if pg.any() else 1.0,
         }
     return loss, metrics

@@ -85,8 +85,9 @@ class Config:
     max_response_len: int = flag(64, "global cap on response tokens; reaching it truncates (UloRL 128k)")
     max_prompt_len: int = flag(64, "longer prompts are skipped (and counted)")
     temperature: float = flag(1.0, "sampling temperature (UloRL 0.85, ProRL 1.2)")
-    top_p: float = flag(1.0, "nucleus sampling for rollouts (both papers 1.0)")
-    top_k: int = flag(-1, "top-k for rollouts, -1 = off (both papers)")
+    top_p: float = flag(1.0, "nucleus sampling: 1 in training (both papers): the trainer's log-probs are of the "
+                             "full distribution; eval.py --top-p samples held-out problems with it")
+    top_k: int = flag(-1, "top-k: -1 (off) in training (both papers), for the same reason; eval.py --top-k")
     # batch and optimizer
     train_groups: int = flag(16, "train once this many informative complete groups are ready")
     mini_batch: int = flag(0, "samples per optimizer step; 0 = the whole batch, one update per step "
@@ -108,16 +109,22 @@ class Config:
     eps_low: float = flag(0.2, "lower clip range: ratio >= 1 - eps_low (both papers 0.2)")
     eps_high: float = flag(0.2, "upper clip range: ratio <= 1 + eps_high (UloRL 0.2, ProRL 0.4)")
     agg: str = flag("token", "token: DAPO's token-level mean; sample: GRPO's per-response mean")
-    is_mode: str = flag("pois", "importance sampling under segment rollout: tois, sais or pois (UloRL 3.1)")
+    is_mode: str = flag("pois", "pi_old under segment rollout (UloRL 3.1): pois (the current weights for every "
+                                "token), sais (each segment's own policy), tois (one segment only)")
     mpt: str = flag("dynamic", "masking of well-mastered positive tokens: dynamic (DMMPTs), static, off")
     mpt_tau: float = flag(0.99, "probability at which a positive sample's token counts as mastered (UloRL)")
     mpt_sigma: float = flag(0.2, "target entropy: mask MPTs only while a sample's mean entropy is below it (UloRL)")
     tis_cap: float = flag(0.0, "truncated importance sampling: weight each token's loss by min(pi_old / "
-                                "pi_engine, cap) to correct the engine/trainer mismatch; 0 = off")
+                                "pi_behaviour, cap); corrects the engine/trainer mismatch on tokens the current "
+                                "weights sampled and, under pois, also the version gap of older segments; 0 = off")
+    clip_ratio_c: float = flag(3.0, "dual clip: a negative advantage's per-token loss is at most -A x c however "
+                                    "large the ratio (verl's 3, which both papers trained with); 0 = off")
     dynamic_sampling: bool = flag(True, "drop groups whose rewards are all equal (DAPO, both papers)")
     kl_coef: float = flag(0.0, "k3 KL penalty to a reference policy (UloRL 0, ProRL 1e-4)")
     ref_reset_every: int = flag(0, "every N steps reset the reference to the policy AND the optimizer "
                                    "state (ProRL); 0 = never")
+    ref_reset_on_stall: int = flag(0, "also reset them when held-out accuracy has not improved in K evaluations "
+                                      "in a row (ProRL's other trigger); 0 = never")
     # reward (UloRL 3.3; ProRL's verifiable domains)
     overlong: str = flag("zero", "truncated samples: zero (UloRL), soft (DAPO punishment), filter (no loss), none")
     overlong_buffer: int = flag(0, "soft punishment ramps over the last N tokens before the cap")
@@ -167,6 +174,16 @@ def parse_config(argv=None) -> Config:
     cfg = Config(**vars(p.parse_args(argv)))
     if cfg.max_response_len % cfg.segments:
         p.error(f"--max-response-len {cfg.max_response_len} must be a multiple of --segments {cfg.segments}")
+    if cfg.is_mode == "tois" and cfg.segments > 1:
+        p.error(f"--is-mode tois is defined for one segment (every token sampled by the weights being updated); "
+                f"with --segments {cfg.segments} use sais or pois")
+    if cfg.top_p < 1 or cfg.top_k > 0:
+        p.error(f"--top-p {cfg.top_p} / --top-k {cfg.top_k}: training samples with top_p 1 and no top-k (both "
+                f"papers): the trainer's log-probs are over the full distribution, so a truncated one would bias "
+                f"every ratio, DMMPT probability and entropy. Use them for evaluation (eval.py --top-p/--top-k)")
+    if (cfg.ref_reset_every or cfg.ref_reset_on_stall) and cfg.kl_coef == 0:
+        print("warning: --ref-reset-every/--ref-reset-on-stall with --kl-coef 0: there is no reference, so a "
+              "reset only clears the optimizer state", file=sys.stderr, flush=True)
     if cfg.rollout_gpus:  # the flag is part of the interface; the engine on GPUs of its own is not built yet
         p.error("--rollout-gpus: running the engine on GPUs of its own (NCCL weight transfer) is not supported "
                 "yet; leave it empty and the engine shares the trainer's device")
@@ -411,6 +428,7 @@ def main(cfg: Config, engine_hook=None) -> None:
         metrics_file, samples_file = open_logs(cfg.out, state.step if resume_from else None)
         if state.step == 0 and eval_rows:  # held-out accuracy before any update: step 0
             t0, ev = time.time(), held_out(engine, tokenizer, eval_rows, cfg, judge)
+            ulorl.stalled(state, ev["eval/accuracy"], cfg.ref_reset_on_stall)  # the baseline to improve on
             print(f"step     0 | eval accuracy {ev['eval/accuracy']:.3f} (before training)", flush=True)
             write_record(metrics_file, {"step": 0, "time/step_s": time.time() - t0, "reward/mean": None,
                                         "entropy/mean": None, "mpt/masked_frac": None, "rollout/unfinished": 0,
@@ -441,7 +459,7 @@ def main(cfg: Config, engine_hook=None) -> None:
         ulorl.count_bad_steps(m, state, cfg, warn=lead)
         if m["train/optimizer_steps"]:
             state.version += 1
-        if cfg.ref_reset_every and step % cfg.ref_reset_every == 0 and ref_lm is not None:
+        if cfg.ref_reset_every and step % cfg.ref_reset_every == 0:
             ulorl.reset_reference(lm, ref_lm, opt, ref)  # ProRL: reference <- policy, fresh AdamW moments
             m["train/ref_reset"] = 1
 
@@ -450,11 +468,15 @@ def main(cfg: Config, engine_hook=None) -> None:
             sync_weights(engine, lm)
         state.step = step
 
-        # 8. log, evaluate, checkpoint
+        # 8. evaluate (ProRL also resets when held-out accuracy stalls), log, checkpoint
+        if cfg.eval_data and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+            if lead:
+                m.update(held_out(engine, tokenizer, eval_rows, cfg, judge))
+            if model_lib.broadcast(lead and ulorl.stalled(state, m["eval/accuracy"], cfg.ref_reset_on_stall)):
+                ulorl.reset_reference(lm, ref_lm, opt, ref)
+                m["train/ref_reset"] = 1
         if lead:
             m.update(step_metrics(step, groups, scored, t_roll, m))
-            if eval_rows and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
-                m.update(held_out(engine, tokenizer, eval_rows, cfg, judge))
             if cfg.dump_samples:
                 dump_samples(samples_file, groups, step, tokenizer, cfg.dump_samples)
             m["time/step_s"] = time.time() - t0

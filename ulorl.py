@@ -11,6 +11,7 @@ Where each part of the papers lives (every paper number is a flag default in tra
     3.1 speed 1240 s -> 601 s (4 segs) ..... bench.py segments
     3.1 TOIS / SAIS / POIS ................ loss.old_logprobs, used in prepare() below; --is-mode (pois)
     3.2 DMMPTs (tau 0.99, sigma 0.2) ...... loss.mpt_mask, keep_mask() below; --mpt, --mpt-tau, --mpt-sigma
+    3.2 Eq. 10: masked tokens stay in the denominator ... optimize() below, loss.policy_loss(pg_mask=...)
     3.3 {0,1} reward, truncated = 0 ....... reward.py, reward.overlong_reward; --overlong (zero)
     3.3 generative verifier ............... reward.Judge, reward.judge_rewards; --verifier-model, --verifier-mode
     3.4 data cleaning ..................... data.py clean (python data.py clean --help)
@@ -20,10 +21,11 @@ Where each part of the papers lives (every paper number is a flag default in tra
   ProRL (arXiv 2507.12507, 2505.24864)
     GRPO advantages ....................... loss.group_advantages, sample_advantages() below
     decoupled clip 0.2 / 0.4 .............. loss.policy_loss; --eps-low, --eps-high
+    dual clip c = 3 (verl, both papers) ... loss.policy_loss; --clip-ratio-c
     token-level loss (DAPO) ............... optimize() below: one denominator over micro-batches and ranks; --agg
     dynamic sampling ...................... dynamic_sampling() below; --dynamic-sampling
     KL k3 to a reference, beta 1e-4 ....... loss.kl_k3; --kl-coef
-    reference + optimizer reset ........... reset_reference() below; --ref-reset-every
+    reference + optimizer reset ........... reset_reference(), stalled() below; --ref-reset-every, --ref-reset-on-stall
     settings: n 16, T 1.2, 256 prompts, mini-batch 64 prompts, lr 2e-6 ... train.py PRESETS["prorl"]
     rewards: math, code (sandbox.py), Reasoning Gym (--data rg:NAME), instruction following ... reward.VERIFIERS
     pass@k ................................ eval.pass_at_k
@@ -59,6 +61,8 @@ class RunState:
     cursor: int = 0  # prompts drawn so far from the endless shuffled stream (data.draw_order)
     ready: list = field(default_factory=list)  # informative complete groups waiting for an update
     bad_steps: int = 0  # steps in a row whose every update was skipped for a NaN/inf loss or gradient
+    best_eval: float | None = None  # the best held-out accuracy so far (--ref-reset-on-stall)
+    evals_since_best: int = 0  # evaluations since it last improved, or since the last reset
 
 
 def dynamic_sampling(groups: list[list], enabled: bool) -> tuple[list[list], int]:
@@ -76,17 +80,39 @@ def sample_advantages(groups: list[list]) -> torch.Tensor:
     return group_advantages(rewards).flatten()
 
 
-def keep_mask(mb: MicroBatch, current: torch.Tensor, entropy: torch.Tensor, cfg) -> torch.Tensor:
-    """The response tokens whose loss terms train, [b, T] bool: DMMPTs drop the well-mastered tokens of
-    positive samples (UloRL 3.2: --mpt dynamic while the sample's entropy is below sigma, static always,
-    off never); overlong filtering (--overlong filter) drops truncated samples whole."""
-    keep = mb.resp_mask.clone() & (not mb.empty)
+def keep_mask(mb: MicroBatch, current: torch.Tensor, entropy: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which response tokens count, [b, T] bool each: (counted, keep).
+    counted: the loss's denominator, every token of a sample that trains; overlong filtering (--overlong
+      filter, as DAPO) removes truncated samples whole.
+    keep: the counted tokens whose policy-gradient term trains; DMMPTs drop the well-mastered tokens of
+      positive samples (UloRL 3.2: --mpt dynamic while the sample's entropy is below sigma, static always,
+      off never). A dropped token stays counted (UloRL Eq. 10) and keeps its KL term."""
+    counted = mb.resp_mask.clone() & (not mb.empty)
+    if cfg.overlong == "filter":
+        counted &= ~mb.truncated[:, None]
+    keep = counted.clone()
     if cfg.mpt != "off":
         sigma = cfg.mpt_sigma if cfg.mpt == "dynamic" else math.inf
         keep &= mpt_mask(current, entropy, mb.rewards, mb.resp_mask, cfg.mpt_tau, sigma)
-    if cfg.overlong == "filter":
-        keep &= ~mb.truncated[:, None]
-    return keep
+    return counted, keep
+
+
+def staleness(samples: list, version: int) -> dict:
+    """How many policy versions behind `version` (the weights being updated) the trained tokens were sampled,
+    and the samples' last segments: a sample that finished early waits in the experience pool while its
+    group completes, and surplus ready groups carry over to the next step; both are off-policy in ways
+    POIS does not correct. Counted per segment, so 128k-token samples cost nothing."""
+    tokens = lag_sum = lag_max = 0
+    last = []
+    for s in samples:
+        bounds = s.seg_starts + [len(s.tokens)]
+        for a, b in zip(bounds, bounds[1:]):
+            if b > a:  # every token of a segment was sampled by one version
+                lag = version - s.versions[a]
+                tokens, lag_sum, lag_max = tokens + b - a, lag_sum + lag * (b - a), max(lag_max, lag)
+        last.append(version - s.versions[-1] if s.versions else 0)
+    return {"staleness/token_mean": lag_sum / max(tokens, 1), "staleness/token_max": lag_max,
+            "staleness/last_segment_mean": sum(last) / max(len(last), 1), "staleness/last_segment_max": max(last, default=0)}
 
 
 def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg) -> list[list[MicroBatch]]:
@@ -117,18 +143,19 @@ def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg) -> li
 
 @torch.no_grad()
 def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg) -> tuple[dict, float]:
-    """Step 5, one pass with the weights about to be updated: pi_old (loss.old_logprobs: POIS takes these
-    current log-probs), the reference's log-probs for the KL, entropy and the keep mask; and how far the
-    engine's behaviour log-probs are from the trainer's on the tokens these very weights sampled.
+    """Step 5, one pass with the weights about to be updated: pi_old (loss.old_logprobs: these current
+    log-probs for every token under POIS, for the tokens these weights sampled under TOIS/SAIS), the
+    reference's log-probs for the KL, entropy and the token masks; and how far the engine's behaviour
+    log-probs are from the trainer's on the tokens these very weights sampled.
     Returns (sums for the metrics, the largest engine/trainer gap)."""
     stats, diff_max = {"entropy": 0.0, "tokens": 0, "kept": 0, "diff_sum": 0.0, "diff_n": 0}, 0.0
     for mbs in minis:
         for mb in mbs:
             cur, entropy = policy(mb, cfg.temperature)
-            mb.old = old_logprobs(cfg.is_mode, cur, mb.behaviour)
+            mb.old = old_logprobs(cfg.is_mode, cur, mb.behaviour, mb.versions, version)
             if ref is not None:
                 mb.ref = ref(mb, cfg.temperature)[0]
-            mb.keep = keep_mask(mb, cur, entropy, cfg)
+            mb.counted, mb.keep = keep_mask(mb, cur, entropy, cfg)
             if mb.empty:
                 continue
             gap = (cur - mb.behaviour).abs()[mb.versions == version]
@@ -150,28 +177,31 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg) -> tuple[di
     totals: dict = {}
     skipped, grad_norm, ratio_max = 0, torch.tensor(float("nan")), 0.0
     for mbs in minis:
-        # The one place that decides what the loss averages over: the kept response tokens (after DMMPTs and
-        # overlong filtering) of *all* micro-batches of this optimizer step on all ranks (samples, for
-        # agg="sample"). DDP and FSDP average gradients over ranks; scaling by the world size makes it a sum.
-        local = sum(int(mb.keep.sum()) if cfg.agg == "token" else int((mb.keep.sum(1) > 0).sum()) for mb in mbs)
+        # The one place that decides what the loss averages over: every counted response token (DMMPT-masked
+        # ones included, UloRL Eq. 10; overlong-filtered samples not) of *all* micro-batches of this optimizer
+        # step on all ranks (samples, for agg="sample"). DDP and FSDP average gradients over ranks; scaling
+        # by the world size makes it a sum.
+        local = sum(int(mb.counted.sum()) if cfg.agg == "token" else int((mb.counted.sum(1) > 0).sum()) for mb in mbs)
         denom = model_lib.all_sum({"n": local})["n"]
         opt.zero_grad(set_to_none=True)
         finite = True
         for i, mb in enumerate(mbs):
             with model_lib.grad_sync(policy, last=i == len(mbs) - 1):
                 logprobs, _ = policy(mb, cfg.temperature)
-                loss, m = policy_loss(logprobs, mb.old, mb.adv, mb.keep, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                                      ref_logprobs=mb.ref, kl_coef=cfg.kl_coef, agg=cfg.agg, denom=denom,
-                                      tis_cap=cfg.tis_cap or None, behaviour_logprobs=mb.behaviour)
+                loss, m = policy_loss(logprobs, mb.old, mb.adv, mb.counted, pg_mask=mb.keep, eps_low=cfg.eps_low,
+                                      eps_high=cfg.eps_high, clip_ratio_c=cfg.clip_ratio_c, ref_logprobs=mb.ref,
+                                      kl_coef=cfg.kl_coef, agg=cfg.agg, denom=denom, tis_cap=cfg.tis_cap or None,
+                                      behaviour_logprobs=mb.behaviour)
                 (loss * model_lib.world()).backward()
             finite &= bool(torch.isfinite(loss))
             if mb.empty:
                 continue
-            w = int(mb.keep.sum())
+            w = {"_w": int(mb.keep.sum()), "_wc": int(mb.counted.sum())}  # the KL is a mean over counted tokens
             ratio_max = max(ratio_max, m.pop("ratio/max"))  # a max, not a mean
             for k, v in m.items():  # the loss already carries the global denominator: it adds up
-                totals[k] = totals.get(k, 0.0) + (v if k == "loss/policy" else v * w)
-            totals["_w"] = totals.get("_w", 0) + w
+                totals[k] = totals.get(k, 0.0) + (v if k == "loss/policy" else v * w["_wc" if k == "loss/kl" else "_w"])
+            for k, v in w.items():
+                totals[k] = totals.get(k, 0) + v
         grad_norm = model_lib.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip))
         if not (model_lib.all_true(finite) and torch.isfinite(grad_norm)):
             opt.zero_grad(set_to_none=True)
@@ -192,8 +222,9 @@ def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: in
     totals, ratio_max, skipped, grad_norm = optimize(policy, opt, sched, minis, cfg)
     totals = model_lib.all_sum({**totals, **stats})
     stats = {k: totals.pop(k) for k in list(stats)}
-    w, ratio_max, diff_max = max(totals.pop("_w", 0), 1), model_lib.all_max(ratio_max), model_lib.all_max(diff_max)
-    out = {k: (v / len(minis) if k == "loss/policy" else v / w) for k, v in totals.items()}
+    w, wc = max(totals.pop("_w", 0), 1), max(totals.pop("_wc", 0), 1)
+    ratio_max, diff_max = model_lib.all_max(ratio_max), model_lib.all_max(diff_max)
+    out = {k: v / len(minis) if k == "loss/policy" else v / (wc if k == "loss/kl" else w) for k, v in totals.items()}
     out["ratio/max"] = ratio_max
     out = {k: (v if math.isfinite(v) else None) for k, v in out.items()}  # JSON has no NaN
     out.update({"train/samples": len(samples), "train/lr": sched.get_last_lr()[0],
@@ -201,8 +232,10 @@ def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: in
                 "train/optimizer_steps": len(minis) - skipped, "train/skipped_updates": skipped,
                 "entropy/mean": stats["entropy"] / max(stats["tokens"], 1),
                 "mpt/masked_frac": 1 - stats["kept"] / max(stats["tokens"], 1),
-                "rollout/logprob_diff_max": diff_max,
-                "rollout/logprob_diff_mean": stats["diff_sum"] / max(stats["diff_n"], 1)})
+                # unknown (null), not perfect, when no trained token came from the current weights
+                "rollout/logprob_diff_max": diff_max if stats["diff_n"] else None,
+                "rollout/logprob_diff_mean": stats["diff_sum"] / stats["diff_n"] if stats["diff_n"] else None,
+                **staleness(samples, version)})
     return out
 
 
@@ -222,14 +255,29 @@ def count_bad_steps(m: dict, state: RunState, cfg, warn: bool = True) -> None:
                            f"checkpoint in {cfg.out} holds the last good weights")
 
 
+def stalled(state: RunState, accuracy: float, patience: int) -> bool:
+    """ProRL's second reset trigger: True when `patience` evaluations in a row have not improved on the best
+    held-out accuracy so far (0 = never). After a True the count starts again; the best stays."""
+    if state.best_eval is None or accuracy > state.best_eval:
+        state.best_eval, state.evals_since_best = accuracy, 0
+        return False
+    state.evals_since_best += 1
+    if patience and state.evals_since_best >= patience:
+        state.evals_since_best = 0
+        return True
+    return False
+
+
 def reset_reference(policy_lm, ref_lm, opt, ref=None) -> None:
-    """ProRL's reset: the reference becomes the current policy and AdamW forgets its moments. `ref`: the
-    reference as model.wrap()ped; under FSDP2 its root keeps full (unsharded) parameters after a forward
-    with no backward, so it is resharded first, to match the policy's shards."""
-    if hasattr(ref, "reshard"):
-        ref.reshard()
-    with torch.no_grad():
-        for (name, p), (ref_name, r) in zip(policy_lm.named_parameters(), ref_lm.named_parameters()):
-            assert name == ref_name, (name, ref_name)
-            r.copy_(p)
+    """ProRL's reset: the reference becomes the current policy and AdamW forgets its moments (without a
+    reference, --kl-coef 0, only the optimizer resets). `ref`: the reference as model.wrap()ped; under FSDP2
+    its root keeps full (unsharded) parameters after a forward with no backward, so it is resharded first,
+    to match the policy's shards."""
+    if ref_lm is not None:
+        if hasattr(ref, "reshard"):
+            ref.reshard()
+        with torch.no_grad():
+            for (name, p), (ref_name, r) in zip(policy_lm.named_parameters(), ref_lm.named_parameters()):
+                assert name == ref_name, (name, ref_name)
+                r.copy_(p)
     opt.state.clear()

@@ -77,6 +77,25 @@ def test_summarize_on_hand_made_results():
     assert r["truncation_rate"] == pytest.approx(1 / 12)
 
 
+def test_partial_credit_counts_toward_mean_reward_not_accuracy():
+    """Fractional rewards (here instruction following: 2 constraints, one met = 0.5) are not solved: a sample
+    is correct only with full marks. Problem 0's samples score 1, 0.5, 0.5, 0; problem 1's 0.5 x4."""
+    from segment_rollout import Sample
+    tok = tiny.make_tokenizer()
+    answer = json.dumps([{"type": "max_words", "n": 2}, {"type": "no_commas"}])
+    row = {"prompt": "1=", "answer": answer, "verifier": "ifeval"}
+    texts = [["7", "7,7", "7+7+7", "7,7,7"], ["7,7"] * 4]  # 3 words break max_words; "," breaks no_commas
+    groups = [[Sample(4 * g + i, g, [3], row, tokens=tok(t).input_ids + [tok.eos_token_id], finish="eos")
+               for i, t in enumerate(ts)] for g, ts in enumerate(texts)]
+    per_problem, _ = ev.score(groups, tok, max_len=64, timeout=10.0)
+    assert [p["rewards"] for p in per_problem] == [[1.0, 0.5, 0.5, 0.0], [0.5] * 4]
+    r = ev.summarize(per_problem)
+    assert r["avg@k"] == pytest.approx(1 / 8)  # one solved sample of 8 (reward > 0 would say 7 / 8)
+    assert r["mean_reward"] == pytest.approx(4.0 / 8)
+    assert r["pass@k"]["4"] == pytest.approx(1 / 2)  # problem 1 is never solved
+    assert r["pass@k"]["1"] == pytest.approx((1 / 4 + 0) / 2)
+
+
 # ------------------------------------------------------------------------------------------ sampling
 
 @pytest.fixture(scope="module")

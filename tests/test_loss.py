@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from loss import group_advantages, kl_k3, mpt_mask, policy_loss, token_logprobs
+from loss import group_advantages, kl_k3, mpt_mask, old_logprobs, policy_loss, tis_weights, token_logprobs
 
 EPS_LOW, EPS_HIGH = 0.2, 0.4  # ProRL's decoupled clip
 
@@ -238,7 +238,7 @@ def test_denom_split_batch_equals_whole_batch(agg, kl_coef):
     lp, old, adv, mask, ref = _random_batch(4, B=6, T=8)
     mask[1] = 0  # a sample with no kept token, in the first micro-batch
     lp = lp.clone().requires_grad_()
-    whole, _ = policy_loss(lp, old, adv, mask, EPS_LOW, EPS_HIGH, ref, kl_coef, agg)
+    whole, _ = policy_loss(lp, old, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logprobs=ref, kl_coef=kl_coef, agg=agg)
     whole.backward()
     whole_grad = lp.grad.clone()
     lp.grad = None
@@ -248,15 +248,15 @@ def test_denom_split_batch_equals_whole_batch(agg, kl_coef):
     assert int(denom) == (int(mask.sum()) if agg == "token" else 5)
     total = 0.0
     for sl in (slice(0, 2), slice(2, 6)):  # uneven micro-batches, each backward separately
-        part, _ = policy_loss(lp[sl], old[sl], adv[sl], mask[sl], EPS_LOW, EPS_HIGH, ref[sl], kl_coef, agg,
-                              denom=denom)
+        part, _ = policy_loss(lp[sl], old[sl], adv[sl], mask[sl], eps_low=EPS_LOW, eps_high=EPS_HIGH,
+                              ref_logprobs=ref[sl], kl_coef=kl_coef, agg=agg, denom=denom)
         part.backward()
         total += part.item()
     assert total == pytest.approx(whole.item(), abs=1e-12)
     torch.testing.assert_close(lp.grad, whole_grad, atol=1e-12, rtol=0)
 
     # without denom each micro-batch divides by its own count, and the sum is not the whole batch's loss
-    own = sum(policy_loss(lp[sl], old[sl], adv[sl], mask[sl], EPS_LOW, EPS_HIGH, ref[sl], kl_coef, agg)[0].item()
+    own = sum(policy_loss(lp[sl], old[sl], adv[sl], mask[sl], eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logprobs=ref[sl], kl_coef=kl_coef, agg=agg)[0].item()
               for sl in (slice(0, 2), slice(2, 6)))
     assert abs(own - whole.item()) > 1e-3
 
@@ -293,8 +293,8 @@ def test_kl_k3_nonnegative_and_zero_when_equal():
 
 def test_policy_loss_adds_kl_coef_times_mean_k3_over_kept_tokens():
     lp, old, adv, mask, ref = _random_batch(6)
-    base, _ = policy_loss(lp, old, adv, mask, EPS_LOW, EPS_HIGH)
-    with_kl, metrics = policy_loss(lp, old, adv, mask, EPS_LOW, EPS_HIGH, ref_logprobs=ref, kl_coef=0.1)
+    base, _ = policy_loss(lp, old, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH)
+    with_kl, metrics = policy_loss(lp, old, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logprobs=ref, kl_coef=0.1)
     m, l, r = mask.tolist(), lp.tolist(), ref.tolist()
     ks = [math.exp(r[i][t] - l[i][t]) - (r[i][t] - l[i][t]) - 1
           for i in range(len(m)) for t in range(len(m[0])) if m[i][t]]
@@ -303,7 +303,7 @@ def test_policy_loss_adds_kl_coef_times_mean_k3_over_kept_tokens():
     assert (with_kl - base).item() == pytest.approx(0.1 * mean_k3, abs=1e-12)
     assert metrics["loss/kl"] == pytest.approx(mean_k3, abs=1e-12)
     # ref given but kl_coef 0: no change
-    assert policy_loss(lp, old, adv, mask, EPS_LOW, EPS_HIGH, ref_logprobs=ref)[0].item() == pytest.approx(base.item(), abs=1e-15)
+    assert policy_loss(lp, old, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logprobs=ref)[0].item() == pytest.approx(base.item(), abs=1e-15)
 
 
 def test_policy_loss_kl_gradient():
@@ -514,3 +514,133 @@ def test_policy_loss_tis_cap_hand():
     torch.testing.assert_close(lp.grad, torch.tensor([[-2 / 3, -1 / 6, -1 / 3]], dtype=torch.float64))
     # tis off: the same inputs give -1
     assert policy_loss(lp, old, adv, mask, behaviour_logprobs=behaviour)[0].item() == pytest.approx(-1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 10. UloRL Eq. 10: DMMPT-masked tokens leave the numerator, not the denominator (nor their KL)
+
+def _naive_eq10(lp, old, adv, counted, keep, eps_low, eps_high, ref, kl_coef, agg):
+    """Eq. 10 as a double loop: 1 / sum_i |o_i| * sum_i sum_t [[keep]] * -min(r A, clip(r) A) (+ kl_coef * k3 on
+    every counted token); |o_i| counts every counted token of sample i, kept or masked. agg="sample": each
+    sample's sum over its own |o_i|, then the mean over samples with any counted token."""
+    per = _naive_per_token(lp, old, adv, eps_low, eps_high)
+    sums, sizes = [], []
+    for i in range(len(lp)):
+        total, size = 0.0, 0
+        for t in range(len(lp[0])):
+            if counted[i][t]:
+                size += 1
+                d = ref[i][t] - lp[i][t]
+                total += (per[i][t] if keep[i][t] else 0.0) + kl_coef * (math.exp(d) - d - 1)
+        sums.append(total)
+        sizes.append(size)
+    if agg == "token":
+        return sum(sums) / sum(sizes)
+    means = [t / n for t, n in zip(sums, sizes) if n]
+    return sum(means) / len(means)
+
+
+@pytest.mark.parametrize("agg", ["token", "sample"])
+@pytest.mark.parametrize("kl_coef", [0.0, 0.3])
+def test_eq10_masked_tokens_stay_in_the_denominator(agg, kl_coef):
+    lp, old, adv, counted, ref = _random_batch(11, B=6, T=9)
+    g = torch.Generator().manual_seed(12)
+    keep = counted.bool() & (torch.rand(counted.shape, generator=g) < 0.6)  # DMMPTs drop ~40%
+    assert (counted.bool() & ~keep).sum() >= 10
+    lp = lp.clone().requires_grad_()
+    loss, metrics = policy_loss(lp, old, adv, counted, eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logprobs=ref,
+                                kl_coef=kl_coef, agg=agg, pg_mask=keep)
+    args = (old.tolist(), adv.tolist(), counted.tolist(), keep.tolist(), EPS_LOW, EPS_HIGH, ref.tolist(), kl_coef, agg)
+    expected = _naive_eq10(lp.tolist(), *args)
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    # the old rule (masked tokens out of the denominator too) is a different number: the test can tell
+    wrong, _ = policy_loss(lp, old, adv, keep, eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logprobs=ref,
+                           kl_coef=kl_coef, agg=agg)
+    assert abs(wrong.item() - expected) > 1e-3
+    # the gradient: central differences of the naive double loop
+    loss.backward()
+    h, base = 1e-6, lp.detach().tolist()
+    for i, t in [(0, 0), (1, 2), (2, 5), (4, 1), (5, 8)]:
+        up = [row[:] for row in base]
+        down = [row[:] for row in base]
+        up[i][t] += h
+        down[i][t] -= h
+        fd = (_naive_eq10(up, *args) - _naive_eq10(down, *args)) / (2 * h)
+        assert lp.grad[i, t].item() == pytest.approx(fd, abs=1e-6), (i, t)
+    if kl_coef:  # the KL is a mean over every counted token, masked ones included
+        assert metrics["loss/kl"] == pytest.approx(
+            torch.where(counted.bool(), kl_k3(lp.detach(), ref), 0).sum().item() / counted.sum().item(), abs=1e-12)
+
+
+def test_eq10_hand_value():
+    # 2 samples x 3 tokens, ratio 1 (pi_old = pi), A = [1, -1]; sample 0's tokens 1 and 2 are masked (DMMPTs).
+    # Eq. 10: (-1 [s0,t0] + 1 + 1 + 1 [s1]) / 6 counted tokens = 2/6. Dividing by the 4 kept ones would give 2/4.
+    lp = torch.full((2, 3), -0.5, dtype=torch.float64)
+    counted = torch.ones(2, 3, dtype=torch.bool)
+    keep = torch.tensor([[True, False, False], [True, True, True]])
+    loss, _ = policy_loss(lp, lp, torch.tensor([1.0, -1.0], dtype=torch.float64), counted, pg_mask=keep)
+    assert loss.item() == pytest.approx(2 / 6, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 11. pi_old per token (TOIS / SAIS / POIS)
+
+def test_old_logprobs_per_token_by_mode():
+    # two samples; versions of their tokens: [3, 3, 2] and [1, 2, 3]; the weights being updated are version 3
+    current = torch.tensor([[-0.1, -0.2, -0.3], [-0.4, -0.5, -0.6]])
+    behaviour = torch.tensor([[-1.1, -1.2, -1.3], [-1.4, -1.5, -1.6]])
+    versions = torch.tensor([[3, 3, 2], [1, 2, 3]])
+    # SAIS: the current weights' tokens take the trainer's recomputation, older ones their behaviour log-prob
+    sais = torch.tensor([[-0.1, -0.2, -1.3], [-1.4, -1.5, -0.6]])
+    assert torch.equal(old_logprobs("sais", current, behaviour, versions, 3), sais)
+    assert torch.equal(old_logprobs("tois", current, behaviour, versions, 3), sais)
+    # TOIS as defined (one segment: every token is the current weights'): exactly the trainer's log-probs
+    assert torch.equal(old_logprobs("tois", current, behaviour, torch.full((2, 3), 3), 3), current)
+    assert torch.equal(old_logprobs("pois", current, behaviour, versions, 3), current)
+    with pytest.raises(ValueError, match="is-mode"):
+        old_logprobs("ppo", current, behaviour, versions, 3)
+
+
+def test_tis_weights_per_mode():
+    # pi_old / pi_behaviour, capped at 2: under SAIS older tokens have pi_old = behaviour, so weight 1; the
+    # current weights' tokens are weighted by the engine/trainer mismatch exp(current - behaviour)
+    current = torch.tensor([[-0.1, -0.2], [-0.3, -2.0]])
+    behaviour = torch.tensor([[-0.6, -0.2], [-0.3, -0.1]])
+    versions = torch.tensor([[5, 4], [4, 5]])
+    w = tis_weights(old_logprobs("sais", current, behaviour, versions, 5), behaviour, 2.0)
+    torch.testing.assert_close(w, torch.tensor([[min(math.exp(0.5), 2.0), 1.0], [1.0, math.exp(-1.9)]]))
+    w = tis_weights(old_logprobs("pois", current, behaviour, versions, 5), behaviour, 2.0)
+    torch.testing.assert_close(w, torch.tensor([[min(math.exp(0.5), 2.0), 1.0], [1.0, math.exp(-1.9)]]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 12. the guards: dual clip, log-ratio clamp, k3 clamp
+
+def test_dual_clip_hand_values():
+    # A = -1: ratio 5 -> the clipped surrogate gives max(5, 0.8) * 1 = 5; dual clip c = 3 caps it at 3.
+    # ratio 2 -> 2 (under c, unchanged). A = +1, ratio 5 -> -min(5, 1.2) = -1.2 (dual clip never applies)
+    lp = torch.log(torch.tensor([[5.0, 2.0, 5.0]], dtype=torch.float64))
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    adv = torch.tensor([[-1.0, -1.0, 1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3)
+    loss, m = policy_loss(lp, old, adv, mask, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx((3.0 + 2.0 - 1.2) / 3, abs=1e-12)
+    assert m["clip/dual_frac"] == pytest.approx(1 / 3)
+    off, m = policy_loss(lp, old, adv, mask, clip_ratio_c=0.0)
+    assert off.item() == pytest.approx((5.0 + 2.0 - 1.2) / 3, abs=1e-12) and m["clip/dual_frac"] == 0
+    # with the cap active the loss no longer depends on that token's log-prob: no gradient through it
+    lp = lp.clone().requires_grad_()
+    policy_loss(lp, old, adv, mask, clip_ratio_c=3.0)[0].backward()
+    assert lp.grad[0, 0] == 0 and lp.grad[0, 1] != 0
+
+
+def test_log_ratio_and_kl_are_clamped():
+    # a stale token: log-ratio 100 would overflow exp in fp32; clamped to 20 it stays finite
+    lp = torch.tensor([[100.0, 0.0]])
+    old = torch.zeros(1, 2)
+    loss, m = policy_loss(lp, old, torch.tensor([-1.0]), torch.ones(1, 2), clip_ratio_c=0.0)
+    assert math.isfinite(loss.item()) and m["ratio/max"] == pytest.approx(math.exp(20), rel=1e-6)
+    # k3: d = ref - logp clamped to +-20, k3 clamped to 10: d = 50 -> 10; d = -50 -> e^-20 + 20 - 1 -> 10;
+    # d = 1 -> e - 2 = 0.718 (unclamped)
+    k = kl_k3(torch.tensor([0.0, 0.0, 0.0]), torch.tensor([50.0, -50.0, 1.0]))
+    torch.testing.assert_close(k, torch.tensor([10.0, 10.0, math.e - 2]))

@@ -59,6 +59,10 @@ def test_metrics_contract(short_run):
         assert r["tokens/generated"] > 0 or r["rollout/rounds"] == 0
     assert "eval/accuracy" in recs[2] and "eval/accuracy" in recs[3] and "eval/accuracy" not in recs[1]
     assert recs[2]["train/ref_reset"] == 1
+    for r in recs[1:]:  # how stale the trained tokens were: whole numbers of policy versions
+        assert 0 <= r["staleness/token_mean"] <= r["staleness/token_max"] <= r["step"] - 1
+        assert 0 <= r["staleness/last_segment_mean"] <= r["staleness/last_segment_max"] <= r["step"] - 1
+    assert recs[1]["staleness/token_max"] == 0 and recs[3]["staleness/token_max"] >= 1
     assert "eval accuracy" in p.stdout and "step     3" in p.stdout
 
 
@@ -95,3 +99,22 @@ def test_bad_dataset_row_names_file_row_and_field(tmp_path):
     p = run_train("--data", str(bad), "--eval-data", "", "--steps", "1", "--out", str(tmp_path / "o"), timeout=120)
     assert p.returncode != 0
     assert f"{bad}:2" in p.stderr and "answer" in p.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--is-mode", "tois", "--segments", "4"], "--is-mode tois is defined for one segment"),
+    (["--top-p", "0.95"], "--top-p 0.95 / --top-k -1: training samples with top_p 1"),
+    (["--top-k", "20"], "--top-p 1.0 / --top-k 20: training samples with top_p 1"),
+])
+def test_flags_the_objective_cannot_honour_are_refused(argv, message, capsys):
+    import train
+    with pytest.raises(SystemExit):
+        train.parse_config(argv)
+    assert message in capsys.readouterr().err
+    assert train.parse_config(["--is-mode", "tois", "--segments", "1"]).is_mode == "tois"
+
+
+def test_reset_without_kl_warns_that_it_resets_only_the_optimizer(capsys):
+    import train
+    train.parse_config(["--ref-reset-every", "10"])
+    assert "only clears the optimizer state" in capsys.readouterr().err

@@ -46,7 +46,11 @@ def multi_version(tok, lm):
     return policy, groups, states
 
 
-def test_pois_ratio_is_exactly_one(tok, multi_version):
+@pytest.mark.parametrize("is_mode", ["pois", "sais"])
+def test_first_ratio_is_exactly_one_where_pi_old_is_the_current_weights(tok, multi_version, is_mode):
+    """The update's first forward reproduces the no-grad pass exactly: the ratio is exactly 1 on every token
+    under POIS, and under SAIS on the tokens the current weights (version 2) sampled; on older segments SAIS
+    keeps their own policy's behaviour log-probs, so the ratio is not 1 there."""
     policy, groups, _ = multi_version
     samples = [s for g in groups for s in g]
     assert len({len(s.tokens) for s in samples}) > 1  # right padding in the batch
@@ -55,17 +59,22 @@ def test_pois_ratio_is_exactly_one(tok, multi_version):
     policy.eval()
     with torch.no_grad():
         current, _ = model_lib.response_logprobs(policy, mb, 1.0)
-    old = loss.old_logprobs("pois", current, mb.behaviour)
+    old = loss.old_logprobs(is_mode, current, mb.behaviour, mb.versions, 2)
     policy.train()
     try:
         logprobs, _ = model_lib.response_logprobs(policy, mb, 1.0)
     finally:
         policy.eval()
     assert logprobs.requires_grad
-    ratio = torch.exp(logprobs - old)
-    assert torch.equal(ratio, torch.ones_like(ratio)), (ratio - 1).abs().max()
-    # the stored behaviour log-probs of earlier segments are not pi_old under POIS
-    assert not torch.equal(old, mb.behaviour)
+    ratio = torch.exp(logprobs - old)[mb.resp_mask]
+    fresh = (mb.versions == 2)[mb.resp_mask]
+    assert fresh.any() and (~fresh).any()
+    assert torch.equal(ratio[fresh], torch.ones_like(ratio[fresh]))
+    if is_mode == "pois":
+        assert torch.equal(ratio, torch.ones_like(ratio)), (ratio - 1).abs().max()
+        assert not torch.equal(old, mb.behaviour)  # older segments' behaviour log-probs are not pi_old
+    else:
+        assert (ratio[~fresh] - 1).abs().min() > 0 and (ratio[~fresh] - 1).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("is_mode", ["pois", "sais"])
@@ -92,7 +101,9 @@ def test_update_ratio_max_is_a_max_over_micro_batches(tok, multi_version):
     mb = model_lib.collate(samples, tok.pad_token_id)
     with torch.no_grad():
         current, _ = model_lib.response_logprobs(policy.eval(), mb, 1.0)
-    true_max = torch.exp(current - mb.behaviour)[mb.resp_mask].max().item()
+    old = torch.where(mb.versions == 2, current, mb.behaviour)  # SAIS: fresh tokens' pi_old is the trainer's
+    true_max = torch.exp(current - old)[mb.resp_mask].max().item()
+    assert true_max > 1.0 + 1e-4
     cfg = train.parse_config(["--is-mode", "sais", "--mpt", "off", "--max-tokens-per-micro-batch", "40"])
     assert len(model_lib.micro_batches(samples, cfg.max_tokens_per_micro_batch)) > 1
     policy = copy.deepcopy(policy)
@@ -125,16 +136,19 @@ def test_sais_uses_each_segments_own_policy(tok, lm, multi_version):
     mb = model_lib.collate(samples, tok.pad_token_id)
     with torch.no_grad():
         current, _ = model_lib.response_logprobs(policy.eval(), mb, 1.0)
-    old = loss.old_logprobs("sais", current, mb.behaviour)
-    assert torch.equal(loss.old_logprobs("tois", current, mb.behaviour), old)
+    old = loss.old_logprobs("sais", current, mb.behaviour, mb.versions, 2)
+    assert torch.equal(loss.old_logprobs("tois", current, mb.behaviour, mb.versions, 2), old)
+    assert torch.equal(loss.old_logprobs("pois", current, mb.behaviour, mb.versions, 2), current)
     for i, s in enumerate(samples):
         n = len(s.tokens)
-        assert torch.equal(old[i, :n], torch.tensor(s.logprobs))
         assert mb.versions[i, :n].tolist() == s.versions
+        for t in range(n):  # segments of older versions: their behaviour log-prob; the current one's: recomputed
+            want = current[i, t] if s.versions[t] == 2 else torch.tensor(s.logprobs[t])
+            assert old[i, t] == want, (s.uid, t)
         # the trainer's current log-probs are the latest version's
         assert torch.allclose(current[i, :n].double(), naive[2][s.uid], atol=TOL, rtol=0)
     with pytest.raises(ValueError, match="is-mode"):
-        loss.old_logprobs("ppo", current, mb.behaviour)
+        loss.old_logprobs("ppo", current, mb.behaviour, mb.versions, 2)
 
 
 
@@ -195,3 +209,69 @@ def test_reset_reference(tok, lm):
     assert any(not torch.equal(policy.state_dict()[k], frozen[k]) for k in frozen)
     for k, v in ref.state_dict().items():
         assert torch.equal(v, frozen[k]), f"changing the policy changed the reference's {k}"
+
+
+def test_update_divides_by_every_response_token_under_dmmpts(tok, multi_version):
+    """The update's first loss under POIS (ratio 1, so each kept token's loss is -A): the sum of -A over the
+    tokens DMMPTs keep, divided by *every* response token (UloRL Eq. 10), not by the kept ones."""
+    policy, groups, _ = multi_version
+    policy = copy.deepcopy(policy)
+    samples = [s for g in groups for s in g]
+    cfg = train.parse_config(["--mpt", "static", "--mpt-tau", "0.05", "--segments", "1", "--max-response-len", "64"])
+    mb = model_lib.collate(samples, tok.pad_token_id)
+    with torch.no_grad():
+        current, entropy = model_lib.response_logprobs(policy.eval(), mb, cfg.temperature)
+    keep = mb.resp_mask & loss.mpt_mask(current, entropy, mb.rewards, mb.resp_mask, 0.05, math.inf)
+    assert 0 < (mb.resp_mask & ~keep).sum() < mb.resp_mask.sum() // 2, "the case needs some masked tokens"
+    adv = ulorl.sample_advantages(groups)
+    expected = -(adv[:, None] * keep).sum().item() / mb.resp_mask.sum().item()
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    out = ulorl.update(model_lib.wrap(policy, "none"), None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                       groups, 2, tok.pad_token_id, cfg)
+    assert out["loss/policy"] == pytest.approx(expected, rel=1e-5)
+    assert out["mpt/masked_frac"] == pytest.approx(1 - keep.sum().item() / mb.resp_mask.sum().item())
+
+
+def _sample(uid, seg_versions, seg_lens):
+    versions = [v for v, n in zip(seg_versions, seg_lens) for _ in range(n)]
+    starts = [sum(seg_lens[:i]) for i in range(len(seg_lens))]
+    return Sample(uid, uid, [1], {}, tokens=[5] * len(versions), logprobs=[-0.1] * len(versions),
+                  versions=versions, seg_starts=starts, finish="eos", reward=1.0)
+
+
+def test_staleness_on_a_scripted_pool():
+    # weights being updated: version 7. Sample a: segments by versions 4, 6, 7 of 10, 10, 5 tokens;
+    # b: one segment of 8 tokens by version 5 (finished early, waited for its group); c: 2 tokens by 7.
+    # tokens: lags 3 x10, 1 x10, 0 x5, 2 x8, 0 x2 -> mean (30 + 10 + 16) / 35 = 1.6, max 3
+    # last segments: a 0, b 2, c 0 -> mean 2/3, max 2
+    samples = [_sample(0, [4, 6, 7], [10, 10, 5]), _sample(1, [5], [8]), _sample(2, [7], [2])]
+    got = ulorl.staleness(samples, 7)
+    assert got == pytest.approx({"staleness/token_mean": 56 / 35, "staleness/token_max": 3,
+                                 "staleness/last_segment_mean": 2 / 3, "staleness/last_segment_max": 2})
+    assert ulorl.staleness([_sample(0, [7], [3])], 7) == {"staleness/token_mean": 0.0, "staleness/token_max": 0,
+                                                          "staleness/last_segment_mean": 0.0,
+                                                          "staleness/last_segment_max": 0}
+
+
+def test_stall_trigger_on_a_scripted_eval_history():
+    # patience 2: the baseline 0.5, then 0.6 (better), 0.6, 0.55 (two without improvement: reset), 0.58, 0.61
+    # (better), 0.6, 0.6 (reset again)
+    state = ulorl.RunState()
+    history = [0.5, 0.6, 0.6, 0.55, 0.58, 0.61, 0.6, 0.6]
+    assert [ulorl.stalled(state, a, 2) for a in history] == [False, False, False, True, False, False, False, True]
+    assert state.best_eval == 0.61
+    never = ulorl.RunState()
+    assert not any(ulorl.stalled(never, a, 0) for a in history)  # patience 0: never
+
+
+def test_reset_without_a_reference_clears_only_the_optimizer(tok, lm):
+    policy = copy.deepcopy(lm).train()
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    x = torch.tensor([ids(tok, "3+4=7") + [tok.eos_token_id]])
+    policy(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    before = copy.deepcopy(policy.state_dict())
+    assert len(opt.state) > 0
+    ulorl.reset_reference(policy, None, opt)
+    assert len(opt.state) == 0
+    assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
