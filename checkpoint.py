@@ -58,14 +58,16 @@ def load_optimizer(opt, saved: dict) -> None:
     opt.load_state_dict(saved)
 
 
-def write_manifest(tmp: str) -> None:
+def write_manifest(tmp: str, run_id: str, step: int) -> None:
+    """manifest.json: which run and step wrote the checkpoint, and each file's size (and sha256 up to
+    HASH_MAX_BYTES)."""
     files = sorted(os.path.relpath(os.path.join(d, n), tmp) for d, _, names in os.walk(tmp) for n in names)
-    manifest = {}
+    listing = {}
     for f in files:
         size = os.path.getsize(os.path.join(tmp, f))
-        manifest[f] = {"size": size, **({"sha256": file_digest(os.path.join(tmp, f))} if size <= HASH_MAX_BYTES else {})}
+        listing[f] = {"size": size, **({"sha256": file_digest(os.path.join(tmp, f))} if size <= HASH_MAX_BYTES else {})}
     with open(os.path.join(tmp, "manifest.json"), "w") as fh:
-        json.dump(manifest, fh, indent=1)
+        json.dump({"run": run_id, "step": step, "files": listing}, fh, indent=1)
     for f in files + ["manifest.json"]:  # data on disk before the rename makes it visible
         fd = os.open(os.path.join(tmp, f), os.O_RDONLY)
         os.fsync(fd)
@@ -102,12 +104,21 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
         with open(os.path.join(tmp, "ulorl_state.json"), "w") as f:
             json.dump({"config": dataclasses.asdict(cfg), "git": git, **run_state, "world_size": model_lib.world(),
                        "python_rng": random.getstate(), "pools": pool_state}, f)
-        write_manifest(tmp)
+        write_manifest(tmp, state.run_id, state.step)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
-        for old in list_checkpoints(cfg.out)[:-cfg.keep_last] if cfg.keep_last > 0 else []:
-            shutil.rmtree(os.path.join(cfg.out, old), ignore_errors=True)
+        prune(cfg.out, cfg.keep_last, state.run_id)
     model_lib.barrier()
+
+
+def prune(out: str, keep_last: int, run_id: str) -> list[str]:
+    """Delete all but the newest `keep_last` checkpoints (0: keep all) of run `run_id` in `out`, never one
+    another run wrote. Returns the names deleted."""
+    mine = [name for name in list_checkpoints(out) if read_manifest(os.path.join(out, name)).get("run") == run_id]
+    gone = mine[:-keep_last] if keep_last > 0 else []
+    for name in gone:
+        shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    return gone
 
 
 def list_checkpoints(out: str) -> list[str]:
@@ -117,6 +128,15 @@ def list_checkpoints(out: str) -> list[str]:
     return sorted(d for d in os.listdir(out) if d.startswith("step_") and not d.endswith(".tmp"))
 
 
+def read_manifest(path: str) -> dict:
+    """A checkpoint's manifest, {} when it has none that parses."""
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 def problem(path: str) -> str | None:
     """Why a checkpoint cannot be trusted (missing manifest, missing, resized or altered file), or None."""
     try:
@@ -124,7 +144,8 @@ def problem(path: str) -> str | None:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         return f"no readable manifest.json ({e})"
-    for name, want in manifest.items():
+    listing = manifest["files"] if "files" in manifest else manifest  # checkpoints from before the run id
+    for name, want in listing.items():
         p = os.path.join(path, name)
         if not os.path.exists(p):
             return f"{name} is missing"
@@ -135,18 +156,62 @@ def problem(path: str) -> str | None:
     return None
 
 
-def find_resume(resume: str, out: str) -> str | None:
-    """--resume DIR, or for 'auto' the newest checkpoint in --out that passes its manifest check."""
+def run_files(out: str) -> list[str]:
+    """What of a run the folder `out` holds: metrics.jsonl / samples.jsonl with records, step_* checkpoints
+    (finished or interrupted)."""
+    if not os.path.isdir(out):
+        return []
+    found = [n for n in ("metrics.jsonl", "samples.jsonl")
+             if os.path.exists(os.path.join(out, n)) and os.path.getsize(os.path.join(out, n)) > 0]
+    return found + sorted(d for d in os.listdir(out) if d.startswith("step_"))
+
+
+def find_resume(resume: str, out: str, overwrite: bool = False) -> str | None:
+    """The checkpoint a run starts from (None: from the model), given --resume, --out and --overwrite. An --out
+    that holds a run is never written over unless --resume continues it or --overwrite says so; --resume auto
+    takes the newest checkpoint that passes its manifest check (those skipped are named), starts fresh in a
+    folder holding no run, and stops, listing what it found and why each was rejected, when nothing of a run
+    there can be resumed. Read-only: --overwrite's deletion is clear_run()'s."""
+    held = run_files(out)
+    if overwrite:
+        return None
+    if not resume:
+        if held:
+            raise ValueError(f"--out {out} holds a run ({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}): "
+                             f"continue it with --resume auto, start it again with --overwrite (deletes those), or "
+                             f"choose another --out")
+        return None
     if resume != "auto":
-        if resume and (why := problem(resume)):
+        if why := problem(resume):
             raise ValueError(f"--resume {resume}: {why}")
-        return resume or None
+        same = os.path.realpath(os.path.dirname(os.path.abspath(resume))) == os.path.realpath(out)
+        if held and not same:
+            raise ValueError(f"--resume {resume} writes into --out {out}, which holds another run ({', '.join(held[:5])}"
+                             f"): choose an empty --out, or --out {os.path.dirname(os.path.abspath(resume))}")
+        return resume
+    rejected = []
     for name in reversed(list_checkpoints(out)):
         why = problem(os.path.join(out, name))
         if why is None:
+            for skipped, reason in rejected:
+                print(f"warning: skipping checkpoint {os.path.join(out, skipped)}: {reason}", file=sys.stderr, flush=True)
             return os.path.join(out, name)
-        print(f"warning: skipping checkpoint {os.path.join(out, name)}: {why}", file=sys.stderr, flush=True)
-    return None
+        rejected.append((name, why))
+    if not held:
+        return None  # nothing to lose: a fresh start
+    rejected += [(name, "an interrupted save") for name in held if name.endswith(".tmp")]
+    lines = [f"  {name}: {why}" for name, why in rejected] or [f"  no checkpoint; {', '.join(held)} only"]
+    raise ValueError(f"--resume auto: nothing in {out} can be resumed:\n" + "\n".join(lines) +
+                     "\nstart the run again with --overwrite (deletes them), or choose another --out")
+
+
+def clear_run(out: str) -> list[str]:
+    """--overwrite: delete the run held in `out` (run_files); returns what was deleted."""
+    held = run_files(out)
+    for name in held:
+        path = os.path.join(out, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return held
 
 
 def load(path: str, opt, sched, engine, pools: Pools, state: RunState) -> None:

@@ -100,6 +100,9 @@ def lookup(obj: dict, key: str):
     return obj, None
 
 
+ROLES = ("system", "user", "assistant", "tool", "developer")  # what chat templates render
+
+
 def check_messages(prompt, where: str, field: str = "prompt") -> None:
     ok = isinstance(prompt, list) and prompt and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -107,6 +110,12 @@ def check_messages(prompt, where: str, field: str = "prompt") -> None:
     if not ok:
         raise ValueError(f"{where}: field '{field}' must be a non-empty string or a non-empty list of"
                          f" {{'role': str, 'content': str}} messages, got {str(prompt)[:200]!r}")
+    for i, m in enumerate(prompt):
+        if m["role"] not in ROLES:
+            raise ValueError(f"{where}: field '{field}', message {i}: unknown role {m['role']!r}; roles are "
+                             f"{', '.join(ROLES)}")
+    if not any(m["content"].strip() for m in prompt):
+        raise ValueError(f"{where}: field '{field}': every message is empty or whitespace")
 
 
 def make_row(obj, where: str, prompt_key: str, answer_key: str, verifier_key: str, default_verifier: str) -> dict:
@@ -119,7 +128,7 @@ def make_row(obj, where: str, prompt_key: str, answer_key: str, verifier_key: st
         if value is MISSING:
             raise ValueError(f"{where}: no field '{key}' (the {name}); {instead}; name the right"
                              f" column with --{name}-key (dotted paths reach into nested columns)")
-        if value in (None, "", []):
+        if value in (None, "", []) or (isinstance(value, str) and not value.strip()):
             raise ValueError(f"{where}: field '{key}' (the {name}) is empty; fix or drop this row at the source")
         fields[name] = value
     prompt, answer = fields["prompt"], fields["answer"]
@@ -292,21 +301,25 @@ def draw_order(n_rows: int, seed: int, cursor: int, count: int) -> list[int]:
 
 
 def draw_prompts(rows: list[dict], seed: int, cursor: int, n: int, tokenizer, max_prompt_len: int,
-                 source: str = "") -> tuple[list[tuple[list[int], dict]], int, int]:
+                 source: str = "", too_long: set | None = None) -> tuple[list[tuple[list[int], dict]], int, int]:
     """The next n prompts of the endless shuffled stream (draw_order) from position `cursor` on, as (token
-    ids, row); prompts over `max_prompt_len` tokens are skipped. Returns (prompts, new cursor, skipped)."""
+    ids, row); prompts over `max_prompt_len` tokens are skipped. `too_long` remembers the rows found too long
+    (pass the same set every time), so each is tokenized once, not at every draw: a 1 MB prompt would
+    otherwise cost a tokenization per epoch. Returns (prompts, new cursor, skipped)."""
+    too_long = set() if too_long is None else too_long
     out, skipped = [], 0
     while len(out) < n:
-        row = rows[draw_order(len(rows), seed, cursor, 1)[0]]
+        i = draw_order(len(rows), seed, cursor, 1)[0]
         cursor += 1
-        ids = encode_prompt(tokenizer, row["prompt"])
-        if len(ids) > max_prompt_len:
+        ids = None if i in too_long else encode_prompt(tokenizer, rows[i]["prompt"])
+        if ids is None or len(ids) > max_prompt_len:
+            too_long.add(i)
             skipped += 1
-            if skipped >= len(rows):  # a whole pass without a usable prompt: it would loop forever
+            if len(too_long) >= len(rows):  # no usable prompt at all: it would loop forever
                 raise ValueError(f"--data {source}: every prompt is longer than --max-prompt-len {max_prompt_len} "
-                                 f"tokens (e.g. {len(ids)}, {row.get('where', '')}); raise --max-prompt-len")
+                                 f"tokens (e.g. {rows[i].get('where', '')}); raise --max-prompt-len")
             continue
-        out.append((ids, row))
+        out.append((ids, rows[i]))
     return out, cursor, skipped
 
 

@@ -79,14 +79,15 @@ def process_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     top-k, keep the smallest set of tokens whose probability reaches top_p (the nucleus), renormalise.
     Removed tokens get -inf. The trainer uses the same function, so engine and trainer agree exactly."""
     logits = logits.float() / sampling.temperature
-    if 0 < sampling.top_k < logits.shape[-1]:
+    if 0 < sampling.top_k < logits.shape[-1]:  # ties with the k-th keep more than k; never fewer than 1
         kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sampling.top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass of the tokens ranked above each token
-        drop_sorted = before >= sampling.top_p  # the top token always survives (before = 0)
+        drop_sorted = before >= sampling.top_p
+        drop_sorted[:, 0] = False  # the top token always survives, even at top_p = 0
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.log_softmax(logits, dim=-1)

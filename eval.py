@@ -74,9 +74,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=512, help="samples per engine call (unfinished ones included)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; the tiny task's problems are seed 10000 + seed")
     # engine
-    p.add_argument("--engine", default="auto", help="hf (transformers), vllm, or auto (vllm when installed, off CPU)")
+    p.add_argument("--engine", default="auto", choices=["auto", "hf", "vllm"],
+                   help="hf (transformers), vllm, or auto (vllm when installed, off CPU)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the weights' dtype")
     p.add_argument("--rollout-mem", type=float, default=0.25, help="vLLM memory: GPU fraction, or GiB of KV cache on CPU")
     p.add_argument("--reward-timeout", type=float, default=5.0, help="seconds per reward check (longer scores 0)")
     p.add_argument("--report", default="", help="write the JSON report here")
@@ -84,10 +86,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in PRESETS[args.preset].items():  # the preset fills what the command line left unset
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.k < 1 or args.segments < 1:
-        p.error("--k and --segments must be >= 1")
-    if args.temperature <= 0:
-        p.error("--temperature must be > 0 (use 1e-5 for greedy-like decoding)")
+    checks = {"k": (args.k >= 1, ">= 1"), "segments": (args.segments >= 1, ">= 1"), "batch": (args.batch >= 1, ">= 1"),
+              "n_problems": (args.n_problems >= 0, ">= 0 (0 = all)"),
+              "max_response_len": (args.max_response_len >= 1, ">= 1"),
+              "temperature": (args.temperature > 0, "> 0 (1e-5 decodes almost greedily)"),
+              "top_p": (0 < args.top_p <= 1, "in (0, 1]"), "top_k": (args.top_k >= -1, "-1 (off) or >= 1"),
+              "reward_timeout": (args.reward_timeout > 0, "> 0"), "rollout_mem": (args.rollout_mem > 0, "> 0")}
+    for name, (ok, allowed) in checks.items():
+        if not ok:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be {allowed}")
     return args
 
 

@@ -24,6 +24,7 @@ import functools
 import importlib
 import json
 import logging
+import math
 import multiprocessing as mp
 import re
 import signal
@@ -439,22 +440,33 @@ def _replace(w: _Worker, todo: deque) -> None:
     _POOL[_POOL.index(w)] = _Worker()
 
 
-def _run_checks(tasks: list[tuple[str, str, str]], timeout: float, workers: int):
+def _run_checks(tasks: list[tuple[str, str, str]], timeout: float, workers: int, batch_timeout: float = 0.0):
     """Run (ref, response, answer) checks on the pool (grown to `workers` processes, never shrunk).
-    Returns (scores, number of timeouts, error texts); a timed-out or failed check scores 0.0."""
+    Returns (scores, number of timeouts, error texts); a timed-out or failed check scores 0.0. With
+    `batch_timeout` > 0 the whole call returns after at most that many seconds: checks left then score 0 and
+    count as timeouts (hanging checks otherwise queue behind each other, `timeout` each)."""
     while len(_POOL) < workers:
         _POOL.append(_Worker())
     scores, n_timeouts, errors = [0.0] * len(tasks), 0, []
     todo = deque(range(len(tasks)))
+    stop_at = time.monotonic() + batch_timeout if batch_timeout > 0 else math.inf
     # a few chunks per worker: one message per chunk instead of per item, yet the tail stays balanced
     chunk = max(1, min(64, len(tasks) // (4 * len(_POOL))))
     while todo or any(w.pending for w in _POOL):
+        if time.monotonic() >= stop_at:  # the batch's bound: what is left scores 0
+            n_timeouts += len(todo) + sum(len(w.pending) for w in _POOL)
+            todo.clear()
+            for w in list(_POOL):
+                if w.pending:
+                    w.pending = []
+                    _replace(w, todo)
+            break
         for w in _POOL:
             if w.ready and not w.pending and todo:
                 w.pending = [todo.popleft() for _ in range(min(chunk, len(todo)))]
                 w.conn.send([(i, *tasks[i]) for i in w.pending])
                 w.deadline = time.monotonic() + timeout
-        deadlines = [w.deadline for w in _POOL if w.pending]
+        deadlines = [w.deadline for w in _POOL if w.pending] + ([stop_at] if stop_at < math.inf else [])
         wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         for conn in mp_wait([w.conn for w in _POOL], timeout=wait_s):
             w = next(w for w in _POOL if w.conn is conn)
@@ -485,31 +497,32 @@ def _run_checks(tasks: list[tuple[str, str, str]], timeout: float, workers: int)
     return scores, n_timeouts, errors
 
 
-def score_batch(items: list[tuple[str, str, str]], timeout: float = 5.0,
-                workers: int = 2) -> tuple[list[float], dict]:
+def score_batch(items: list[tuple[str, str, str]], timeout: float = 5.0, workers: int = 2,
+                batch_timeout: float = 0.0) -> tuple[list[float], dict]:
     """Score (verifier_name, response_text, answer) items in parallel worker processes. Returns one
     reward per item, in order, and {"reward/timeouts", "reward/errors"}; a check that raises or
-    runs past `timeout` seconds scores 0.0. An unknown verifier name raises ValueError."""
+    runs past `timeout` seconds scores 0.0, and so does every check left when the call has run
+    `batch_timeout` seconds (> 0: the bound of the whole batch). An unknown verifier name raises ValueError."""
     for name, _, _ in items:
         if name not in VERIFIERS:
             raise ValueError(f"unknown verifier {name!r}; known: {sorted(VERIFIERS)}")
     scores, n_timeouts, errors = [], 0, []
     if items:
         tasks = [(_ref(VERIFIERS[name]), response, answer) for name, response, answer in items]
-        scores, n_timeouts, errors = _run_checks(tasks, timeout, workers)
+        scores, n_timeouts, errors = _run_checks(tasks, timeout, workers, batch_timeout)
     if errors:
         warnings.warn(f"{len(errors)} of {len(items)} reward checks raised and scored 0; first: {errors[0]}")
     return scores, {"reward/timeouts": n_timeouts, "reward/errors": len(errors)}
 
 
 def score_samples(samples: list, texts: list[str], max_len: int, overlong: str = "zero", overlong_buffer: int = 0,
-                  timeout: float = 5.0, judge: Judge | None = None) -> dict:
+                  timeout: float = 5.0, judge: Judge | None = None, batch_timeout: float = 0.0) -> dict:
     """Set the reward of every sample (segment_rollout.Sample; `texts` are their decoded responses): its
     verifier's score, the judge's verdict where it is asked, then the overlong rule for truncated samples
     ("filter" leaves rewards alone: the update drops those samples). Training and evaluation both score here.
     Returns {"reward/timeouts", "reward/errors"} (and "reward/judge_calls" with a judge)."""
     items = [(s.row["verifier"], t, s.row["answer"]) for s, t in zip(samples, texts)]
-    rewards, metrics = score_batch(items, timeout=timeout)
+    rewards, metrics = score_batch(items, timeout=timeout, batch_timeout=batch_timeout)
     if judge is not None and samples:
         rewards, metrics["reward/judge_calls"] = judge_rewards(judge, [s.row for s in samples], texts, rewards)
     for s, r in zip(samples, rewards):

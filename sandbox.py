@@ -13,18 +13,22 @@ One test case = one fresh `python -I` process (isolated mode: no user site, no P
   processes of the trainer (which have no such limit) fork as before.
 - a wall-clock timeout: its whole process group is killed (SIGKILL), and the kernel kills it as well
   if the reward worker that started it dies (PR_SET_PDEATHSIG);
-- an empty temporary working directory (deleted afterwards), stdin from a file there;
-- a minimal environment (PATH, LANG, HOME=its directory): no secrets of the trainer's environment;
 - no network: a new network namespace with only a loopback interface that is down (unshare(2) via libc;
   as root it needs no user namespace, otherwise an unprivileged user namespace);
-- as root, it runs as user `nobody` (65534): it cannot write outside its directory, except
-  world-writable places such as /tmp, nor read root's files or other processes' environments. RLIMIT_NPROC
-  does not bind root, which is another reason to drop to `nobody`.
+- one writable place, private and size-limited: a new mount namespace in which /tmp is a fresh tmpfs of
+  TMP_MB and every other world-writable directory of the machine (/var/tmp, /dev/shm, /run/lock,
+  /dev/mqueue) an empty read-only one; the program runs in /tmp (its code copied there), and whatever it
+  writes is gone when its last process dies. stdin and stdout are files in a directory of the runner's that the program cannot write;
+- a minimal environment (PATH, LANG, HOME=TMPDIR=/tmp): no secrets of the trainer's environment;
+- as root, it runs as user `nobody` (65534): it cannot write root's files, nor read them or other processes'
+  environments. RLIMIT_NPROC does not bind root, which is another reason to drop to `nobody`.
 
 Fallbacks, reported once as a warning: where the kernel refuses new namespaces (some containers), the
-program runs without network isolation. When the trainer does not run as root, the program runs as the
-trainer's user and can write files that user owns (only RLIMIT_FSIZE bounds them), and read
-/proc/<pid>/environ of that user's processes; run the trainer as root in a container or as a dedicated user.
+program runs without network isolation, and in a directory of its own on the machine's /tmp (deleted
+afterwards) with the machine's /tmp and /dev/shm writable. When the trainer does not run as root, the
+program runs as the trainer's user and can write files that user owns (only RLIMIT_FSIZE bounds them), and
+read /proc/<pid>/environ of that user's processes; run the trainer as root in a container or as a dedicated
+user.
 """
 import ctypes
 import glob
@@ -42,12 +46,15 @@ import warnings
 from dataclasses import dataclass
 
 NOBODY = 65534
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 1, 2, 4, 16384, 1 << 18
 PR_SET_PDEATHSIG = 1
+WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/dev/mqueue")  # each gets a private tmpfs
+TMP_MB = 64  # the program's /tmp: memory, so it is small
 _CODE_BLOCK = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_SETUP: tuple[bool, str] | None = None  # (network namespaces work, interpreter), probed on first use
+_SETUP: tuple[bool, str] | None = None  # (namespaces work, interpreter), probed on first use
 
 
 @dataclass
@@ -57,14 +64,28 @@ class Result:
     returncode: int | None
 
 
-def _limits(cpu_s: int, memory_mb: int, file_mb: int, netns: bool) -> None:
-    """preexec_fn: runs in the child between fork and exec. (Python code there is safe only when the parent
-    has no other threads: reward workers have none; the trainer never runs this.)"""
+def _mount_tmpfs(path: str, writable: bool) -> None:
+    flags = MS_NOSUID | MS_NODEV | (0 if writable else MS_RDONLY)
+    if _libc.mount(b"tmpfs", path.encode(), b"tmpfs", flags, f"size={TMP_MB if writable else 1}m,mode=1777".encode()):
+        raise OSError(ctypes.get_errno(), f"mounting a tmpfs on {path} failed")
+
+
+def _limits(cpu_s: int, memory_mb: int, file_mb: int, isolate: bool) -> None:
+    """preexec_fn: runs in the child between fork and exec, in the runner's directory (the cwd that
+    subprocess set). (Python code there is safe only when the parent has no other threads: reward workers
+    have none; the trainer never runs this.)"""
     os.setsid()  # its own process group, so a timeout kills everything it started
-    if netns:
-        flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWUSER | CLONE_NEWNET
-        if _libc.unshare(flags) != 0:
+    if isolate:
+        root = os.geteuid() == 0
+        if _libc.unshare(CLONE_NEWNET | CLONE_NEWNS | (0 if root else CLONE_NEWUSER)) != 0:
             raise OSError(ctypes.get_errno(), "unshare failed")
+        if _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None):  # nothing mounted here leaks out
+            raise OSError(ctypes.get_errno(), "making / private failed")
+        for path in WORLD_WRITABLE:
+            if os.path.isdir(path):
+                _mount_tmpfs(path, writable=path == "/tmp")
+        shutil.copy("main.py", "/tmp/main.py")  # "." is still the runner's directory, under the old /tmp
+        os.chdir("/tmp")
     if os.geteuid() == 0:  # before the limits: RLIMIT_NPROC binds only non-root users
         os.setgroups([])
         os.setgid(NOBODY)
@@ -77,30 +98,37 @@ def _limits(cpu_s: int, memory_mb: int, file_mb: int, netns: bool) -> None:
 
 
 def _setup() -> tuple[bool, str]:
-    """(network isolation works, interpreter) for this machine, probed once. As `nobody` the trainer's
-    interpreter may be unreachable (pyenv under /root, mode 700): then the system's python3 runs programs."""
+    """(namespaces work, interpreter) for this machine, probed once. As `nobody` the trainer's interpreter
+    may be unreachable (pyenv under /root, mode 700): then the system's python3 runs programs."""
     global _SETUP
     if _SETUP is None:
-        for netns in (True, False):
-            for python in dict.fromkeys([sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]):
-                try:
-                    subprocess.run([python, "-I", "-c", "pass"], preexec_fn=lambda: _limits(2, 512, 1, netns),
-                                   check=True, timeout=30, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   env={"PATH": "/usr/bin:/bin"}, cwd="/")
-                except (subprocess.SubprocessError, OSError):
-                    continue
-                _SETUP = (netns, python)
-                if not netns:
-                    warnings.warn("sandbox: this kernel refuses new network namespaces; model programs run WITH "
-                                  "network access (see sandbox.py)")
-                return _SETUP
+        probe = tempfile.mkdtemp(prefix=f"ulorl_sandbox_{os.getpid()}_")
+        try:
+            with open(os.path.join(probe, "main.py"), "w") as f:
+                f.write("pass\n")
+            for isolate in (True, False):
+                for python in dict.fromkeys([sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]):
+                    try:
+                        subprocess.run([python, "-I", "main.py"], preexec_fn=lambda: _limits(2, 512, 1, isolate),
+                                       check=True, timeout=30, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                       env={"PATH": "/usr/bin:/bin"}, cwd=probe)
+                    except (subprocess.SubprocessError, OSError):
+                        continue
+                    _SETUP = (isolate, python)
+                    if not isolate:
+                        warnings.warn("sandbox: this kernel refuses new namespaces; model programs run WITH network "
+                                      "access and can write to the machine's /tmp and /dev/shm (see sandbox.py)")
+                    return _SETUP
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
         raise RuntimeError(f"sandbox: no Python interpreter runs under the sandbox's limits (tried {sys.executable}"
                            f" and /usr/bin/python3 as uid {NOBODY if os.geteuid() == 0 else os.geteuid()})")
     return _SETUP
 
 
 def network_isolated() -> bool:
-    """Whether sandboxed programs get their own (empty) network namespace on this machine."""
+    """Whether sandboxed programs get their own (empty) network namespace and private, size-limited
+    temporary directories on this machine."""
     return _setup()[0]
 
 
@@ -116,21 +144,22 @@ def _sweep() -> None:
 def run_program(code: str, stdin: str = "", timeout: float = 2.0, memory_mb: int = 1024,
                 file_mb: int = 16) -> Result:
     """Run `code` as a Python program in the sandbox with `stdin`; never raises for anything the program does."""
-    netns, python = _setup()
+    isolate, python = _setup()
     _sweep()
-    work = tempfile.mkdtemp(prefix=f"ulorl_sandbox_{os.getpid()}_")
+    work = tempfile.mkdtemp(prefix=f"ulorl_sandbox_{os.getpid()}_")  # mode 700: the runner's own
     try:
         with open(os.path.join(work, "main.py"), "w") as f:
             f.write(code)
         with open(os.path.join(work, "stdin"), "w") as f:
             f.write(stdin)
-        if os.geteuid() == 0:
+        if os.geteuid() == 0 and not isolate:  # the fallback: the program works in this directory
             os.chown(work, NOBODY, NOBODY)
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "TMPDIR": work}
+        home = "/tmp" if isolate else work
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home}
         with open(os.path.join(work, "stdin"), "rb") as fin, open(os.path.join(work, "stdout"), "wb") as fout:
             proc = subprocess.Popen([python, "-I", "main.py"], cwd=work, env=env, stdin=fin, stdout=fout,
                                     stderr=subprocess.DEVNULL, close_fds=True,
-                                    preexec_fn=lambda: _limits(math.ceil(timeout) + 1, memory_mb, file_mb, netns))
+                                    preexec_fn=lambda: _limits(math.ceil(timeout) + 1, memory_mb, file_mb, isolate))
             try:
                 returncode = proc.wait(timeout=timeout)
                 status = "ok" if returncode == 0 else "error"

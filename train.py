@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import functools
 import json
+import math
 import os
 import random
 import signal
@@ -46,103 +47,180 @@ from segment_rollout import Pools, Sample, rollout_step
 from ulorl import RunState
 
 
-def flag(default, help):
-    return field(default=default, metadata={"help": help})
+def flag(default, help, choices=None, ok=None):
+    """A Config field: its --flag's default and help; `choices` (argparse's) or `ok`, a (test, what is allowed)
+    pair that parse_config checks before anything loads."""
+    return field(default=default, metadata={"help": help, "choices": choices, "ok": ok})
+
+
+def at_least(lo):
+    return lambda v: v >= lo, f"must be >= {lo}"
+
+
+POSITIVE = (lambda v: v > 0, "must be > 0")
+UNIT = (lambda v: 0 < v <= 1, "must be in (0, 1]")
+
+
+def boolean(text: str) -> bool:
+    """true/false, 1/0, yes/no (any case): anything else is refused, never read as false."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false (or 1/0, yes/no), got {text!r}")
+    return value
 
 
 @dataclass
 class Config:
     # run
-    preset: str = flag("tiny", "tiny (built-in default), ulorl or prorl: the papers' training settings")
+    preset: str = flag("tiny", "tiny (built-in default), ulorl or prorl: the papers' training settings",
+                       choices=["tiny", "ulorl", "prorl"])
     model: str = flag(tiny.CKPT, "hub name or local HF directory of the policy")
     data: str = flag("tiny", "training prompts: 'tiny', a .jsonl/.json/.parquet file, a saved dataset, a hub name, "
                              "rg:NAME[:SIZE] (Reasoning Gym), or a mixture 'a.jsonl@0.7,rg:chain_sum@0.3'")
     eval_data: str = flag("tiny", "held-out prompts for --eval-every (same formats as --data); '' = none")
     prompt_key: str = flag("prompt", "column holding the prompt (dotted paths reach nested columns)")
     answer_key: str = flag("answer", "column holding the reference answer")
-    steps: int = flag(150, "training steps (one update phase each)")
+    steps: int = flag(150, "training steps (one update phase each)",
+                      ok=at_least(1))
     out: str = flag("runs/tiny", "output directory: metrics.jsonl, samples.jsonl, step_NNNNNN/ checkpoints")
     resume: str = flag("", "checkpoint directory to continue from, or 'auto' for the newest in --out")
+    overwrite: bool = flag(False, "start a new run in an --out that holds one: its metrics.jsonl, samples.jsonl and "
+                                  "step_NNNNNN/ checkpoints are deleted first")
     seed: int = flag(0, "seed for data order, sampling and init")
+    threads: int = flag(0, "CPU threads of torch; 0 = the cores idle when the run starts (on a small machine a busy "
+                           "neighbour slows a thread pool that counts on every core 2-20x); OMP_NUM_THREADS wins",
+                        ok=at_least(0))
     engine: str = flag("auto", "rollout engine: hf (transformers), vllm, or auto (vLLM when installed and on GPU; "
-                               "else hf)")
-    dtype: str = flag("float32", "float32, bfloat16 or float16 for the trainer's weights")
+                               "else hf)",
+                       choices=["auto", "hf", "vllm"])
+    dtype: str = flag("float32", "float32, bfloat16 or float16 for the trainer's weights",
+                      choices=["float32", "bfloat16", "float16"])
     device: str = flag("cpu", "torch device of the trainer")
     parallel: str = flag("fsdp", "under torchrun: fsdp (FSDP2: each decoder layer, then the root, sharded over "
-                                 "the trainer ranks) or ddp (a full copy per rank)")
+                                 "the trainer ranks) or ddp (a full copy per rank)",
+                         choices=["fsdp", "ddp"])
     rollout_gpus: str = flag("", "GPUs for the rollout engine, e.g. '6,7' (empty: colocated with training)")
-    rollout_mem: float = flag(0.25, "vLLM memory: on GPU the fraction of GPU memory it may take, on CPU GiB of KV cache")
+    rollout_mem: float = flag(0.25, "vLLM memory: on GPU the fraction of GPU memory it may take, on CPU GiB of KV cache",
+                              ok=POSITIVE)
     rope_scaling_factor: float = flag(0.0, "YaRN rope scaling factor for trainer and engine alike; 0 = off "
-                                             "(UloRL 1.5; a model saved with YaRN in its config needs none)")
+                                             "(UloRL 1.5; a model saved with YaRN in its config needs none)",
+                                      ok=(lambda v: v == 0 or v >= 1, "must be 0 (off) or >= 1"))
     rope_original_max_positions: int = flag(0, "YaRN original_max_position_embeddings; the model then takes "
-                                               "factor x this positions (UloRL 95232 -> 142848); 0 = the config's")
+                                               "factor x this positions (UloRL 95232 -> 142848); 0 = the config's",
+                                            ok=at_least(0))
     # rollout (UloRL 3.1)
-    group_size: int = flag(8, "G responses per prompt (UloRL 8, ProRL 16)")
+    group_size: int = flag(8, "G responses per prompt (UloRL 8, ProRL 16)",
+                           ok=(lambda v: v >= 2, "must be >= 2: GRPO's advantage compares the samples of one "
+                                                 "prompt, and a lone sample has nothing to compare with"))
     prompts_per_step: int = flag(16, "rollout batch in prompts: unfinished samples + new groups fill "
-                                     "prompts_per_step x G slots (UloRL 128, ProRL 256)")
+                                     "prompts_per_step x G slots (UloRL 128, ProRL 256)",
+                                 ok=at_least(1))
     segments: int = flag(4, "segments per response: each step decodes at most max_response_len / segments "
-                            "new tokens per sample (UloRL 8 x 16k)")
-    max_response_len: int = flag(64, "global cap on response tokens; reaching it truncates (UloRL 128k)")
-    max_prompt_len: int = flag(64, "longer prompts are skipped (and counted)")
-    temperature: float = flag(1.0, "sampling temperature (UloRL 0.85, ProRL 1.2)")
+                            "new tokens per sample (UloRL 8 x 16k)",
+                         ok=at_least(1))
+    max_response_len: int = flag(64, "global cap on response tokens; reaching it truncates (UloRL 128k)",
+                                 ok=at_least(1))
+    max_prompt_len: int = flag(64, "longer prompts are skipped (and counted)",
+                               ok=at_least(1))
+    temperature: float = flag(1.0, "sampling temperature (UloRL 0.85, ProRL 1.2)",
+                              ok=(lambda v: v > 0, "must be > 0 (logits are divided by it)"))
     top_p: float = flag(1.0, "nucleus sampling: 1 in training (both papers): the trainer's log-probs are of the "
-                             "full distribution; eval.py --top-p samples held-out problems with it")
-    top_k: int = flag(-1, "top-k: -1 (off) in training (both papers), for the same reason; eval.py --top-k")
+                             "full distribution; eval.py --top-p samples held-out problems with it",
+                        ok=UNIT)
+    top_k: int = flag(-1, "top-k: -1 (off) in training (both papers), for the same reason; eval.py --top-k",
+                      ok=(lambda v: v >= -1, "must be -1 (off) or a number of tokens"))
     # batch and optimizer
-    train_groups: int = flag(16, "train once this many informative complete groups are ready")
+    train_groups: int = flag(16, "train once this many informative complete groups are ready",
+                             ok=at_least(1))
     mini_batch: int = flag(0, "samples per optimizer step; 0 = the whole batch, one update per step "
-                              "(UloRL 1024 = 128 x 8; ProRL 64 prompts x 16)")
+                              "(UloRL 1024 = 128 x 8; ProRL 64 prompts x 16)",
+                           ok=at_least(0))
     max_tokens_per_micro_batch: int = flag(4096, "tokens per forward/backward micro-batch: one packed row, "
-                                                 "or rows x longest with --pack false; a longer sample goes alone")
+                                                 "or rows x longest with --pack false; a longer sample goes alone",
+                                           ok=at_least(1))
     pack: bool = flag(False, "pack micro-batches: sequences back to back in one row, positions restarting, no "
                              "attention across them; same loss as padding. Pays off with --attn-implementation "
                              "flash_attention_2; with sdpa/eager the row gets a dense [L, L] mask (slower on CPU)")
     attn_implementation: str = flag("sdpa", "the trainer's attention kernel: sdpa, eager, or flash_attention_2 "
-                                            "(GPU, needs the flash-attn package; the one for --pack)")
+                                            "(GPU, needs the flash-attn package; the one for --pack)",
+                                     choices=["sdpa", "eager", "flash_attention_2", "flash_attention_3",
+                                              "flex_attention"])
     gradient_checkpointing: bool = flag(False, "recompute each decoder layer in the backward: less activation "
                                                "memory for long sequences, ~1/3 more compute")
-    lr: float = flag(3e-4, "AdamW learning rate, constant after warm-up (UloRL 1e-6, ProRL 2e-6)")
-    warmup_steps: int = flag(0, "linear learning-rate warm-up")
-    weight_decay: float = flag(0.0, "AdamW weight decay")
-    grad_clip: float = flag(1.0, "max gradient norm")
+    lr: float = flag(3e-4, "AdamW learning rate, constant after warm-up (UloRL 1e-6, ProRL 2e-6)",
+                     ok=POSITIVE)
+    warmup_steps: int = flag(0, "linear learning-rate warm-up",
+                             ok=at_least(0))
+    weight_decay: float = flag(0.0, "AdamW weight decay",
+                               ok=at_least(0))
+    grad_clip: float = flag(1.0, "max gradient norm",
+                            ok=POSITIVE)
     # loss (GRPO + DAPO's token-level loss; UloRL 3.1-3.2; ProRL)
-    eps_low: float = flag(0.2, "lower clip range: ratio >= 1 - eps_low (both papers 0.2)")
-    eps_high: float = flag(0.2, "upper clip range: ratio <= 1 + eps_high (UloRL 0.2, ProRL 0.4)")
-    agg: str = flag("token", "token: DAPO's token-level mean; sample: GRPO's per-response mean")
+    eps_low: float = flag(0.2, "lower clip range: ratio >= 1 - eps_low (both papers 0.2)",
+                          ok=(lambda v: 0 <= v < 1, "must be in [0, 1)"))
+    eps_high: float = flag(0.2, "upper clip range: ratio <= 1 + eps_high (UloRL 0.2, ProRL 0.4)",
+                           ok=at_least(0))
+    agg: str = flag("token", "token: DAPO's token-level mean; sample: GRPO's per-response mean",
+                    choices=["token", "sample"])
     is_mode: str = flag("pois", "pi_old under segment rollout (UloRL 3.1): pois (the current weights for every "
-                                "token), sais (each segment's own policy), tois (one segment only)")
-    mpt: str = flag("dynamic", "masking of well-mastered positive tokens: dynamic (DMMPTs), static, off")
-    mpt_tau: float = flag(0.99, "probability at which a positive sample's token counts as mastered (UloRL)")
-    mpt_sigma: float = flag(0.2, "target entropy: mask MPTs only while a sample's mean entropy is below it (UloRL)")
+                                "token), sais (each segment's own policy), tois (one segment only)",
+                        choices=["pois", "sais", "tois"])
+    mpt: str = flag("dynamic", "masking of well-mastered positive tokens: dynamic (DMMPTs), static, off",
+                    choices=["dynamic", "static", "off"])
+    mpt_tau: float = flag(0.99, "probability at which a positive sample's token counts as mastered (UloRL)",
+                          ok=UNIT)
+    mpt_sigma: float = flag(0.2, "target entropy: mask MPTs only while a sample's mean entropy is below it (UloRL)",
+                            ok=POSITIVE)
     tis_cap: float = flag(0.0, "truncated importance sampling: weight each token's loss by min(pi_old / "
                                 "pi_behaviour, cap); corrects the engine/trainer mismatch on tokens the current "
-                                "weights sampled and, under pois, also the version gap of older segments; 0 = off")
+                                "weights sampled and, under pois, also the version gap of older segments; 0 = off",
+                          ok=at_least(0))
     clip_ratio_c: float = flag(3.0, "dual clip: a negative advantage's per-token loss is at most -A x c however "
-                                    "large the ratio (verl's 3, which both papers trained with); 0 = off")
+                                    "large the ratio (verl's 3, which both papers trained with); 0 = off",
+                               ok=(lambda v: v == 0 or v > 1, "must be 0 (off) or > 1"))
     dynamic_sampling: bool = flag(True, "drop groups whose rewards are all equal (DAPO, both papers)")
-    kl_coef: float = flag(0.0, "k3 KL penalty to a reference policy (UloRL 0, ProRL 1e-4)")
+    kl_coef: float = flag(0.0, "k3 KL penalty to a reference policy (UloRL 0, ProRL 1e-4)",
+                          ok=at_least(0))
     ref_reset_every: int = flag(0, "every N steps reset the reference to the policy AND the optimizer "
-                                   "state (ProRL); 0 = never")
+                                   "state (ProRL); 0 = never",
+                                ok=at_least(0))
     ref_reset_on_stall: int = flag(0, "also reset them when held-out accuracy has not improved in K evaluations "
-                                      "in a row (ProRL's other trigger); 0 = never")
+                                      "in a row (ProRL's other trigger); 0 = never",
+                                   ok=at_least(0))
     # reward (UloRL 3.3; ProRL's verifiable domains)
-    overlong: str = flag("zero", "truncated samples: zero (UloRL), soft (DAPO punishment), filter (no loss), none")
-    overlong_buffer: int = flag(0, "soft punishment ramps over the last N tokens before the cap")
-    reward_timeout: float = flag(5.0, "seconds per reward check; a check that takes longer scores 0")
+    overlong: str = flag("zero", "truncated samples: zero (UloRL), soft (DAPO punishment), filter (no loss), none",
+                         choices=["zero", "soft", "filter", "none"])
+    overlong_buffer: int = flag(0, "soft punishment ramps over the last N tokens before the cap",
+                                ok=at_least(0))
+    reward_batch_timeout: float = flag(600.0, "seconds a rollout round's reward checks may take in all (hanging checks "
+                                              "queue behind each other, --reward-timeout each): what is left then "
+                                              "scores 0 and counts as a timeout; 0 = no bound",
+                                       ok=at_least(0))
+    reward_timeout: float = flag(5.0, "seconds per reward check; a check that takes longer scores 0",
+                                 ok=POSITIVE)
     default_verifier: str = flag("math", "verifier of file rows without a 'verifier' field: math (last \\boxed{}, "
-                                         "else the last number), math_boxed (\\boxed{} only), code, ifeval, rg, tiny")
+                                         "else the last number), math_boxed (\\boxed{} only), code, ifeval, rg, tiny",
+                                 choices=sorted(reward.VERIFIERS))
     verifier_model: str = flag("", "generative verifier (UloRL 3.3): hub name or local HF directory of the judge "
                                    "model for math rows; '' = rule-based only")
     verifier_mode: str = flag("second_opinion", "with --verifier-model: second_opinion (ask the judge when the "
-                                                "rule-based check says 0), alone (the judge decides), off")
-    verifier_max_tokens: int = flag(64, "tokens the judge may write before its yes/no (thinking models need more)")
+                                                "rule-based check says 0), alone (the judge decides), off",
+                              choices=["second_opinion", "alone", "off"])
+    verifier_max_tokens: int = flag(64, "tokens the judge may write before its yes/no (thinking models need more)",
+                                    ok=at_least(1))
     # evaluation, logging, checkpoints
-    eval_every: int = flag(25, "evaluate on --eval-data every N steps (also before step 1 and after the last)")
-    eval_n: int = flag(512, "held-out prompts per evaluation (one sample each)")
-    save_every: int = flag(0, "checkpoint every N steps (0: only at the end, or on SIGTERM / Ctrl-C)")
-    keep_last: int = flag(3, "keep the newest N checkpoints (0: all)")
-    max_bad_steps: int = flag(3, "stop after this many updates in a row skipped for a NaN/inf loss or gradient")
-    dump_samples: int = flag(256, "samples.jsonl records per step (0: none)")
+    eval_every: int = flag(25, "evaluate on --eval-data every N steps (also before step 1 and after the last)",
+                           ok=at_least(0))
+    eval_n: int = flag(512, "held-out prompts per evaluation (one sample each)",
+                       ok=at_least(1))
+    save_every: int = flag(0, "checkpoint every N steps (0: only at the end, or on SIGTERM / Ctrl-C)",
+                           ok=at_least(0))
+    keep_last: int = flag(3, "keep the newest N checkpoints (0: all)",
+                          ok=at_least(0))
+    max_bad_steps: int = flag(3, "stop after this many updates in a row skipped for a NaN/inf loss or gradient",
+                              ok=at_least(1))
+    dump_samples: int = flag(256, "samples.jsonl records per step (0: none)",
+                             ok=at_least(0))
 
 
 PRESETS = {
@@ -163,31 +241,69 @@ PRESETS = {
 
 
 def parse_config(argv=None) -> Config:
+    """The command line as a Config: the preset's values, then the flags given. Every value is checked here,
+    before any model or data loads; a wrong one stops the run with a message naming the flag."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Config):
-        kind = {bool: lambda s: s.lower() in ("1", "true", "yes")}.get(f.type, f.type)
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"])
+        p.add_argument("--" + f.name.replace("_", "-"), type=boolean if f.type is bool else f.type, default=f.default,
+                       help=f.metadata["help"], choices=f.metadata["choices"])
     args = p.parse_args(argv)
-    if args.preset not in PRESETS:
-        p.error(f"--preset {args.preset}: choose from {', '.join(PRESETS)}")
     p.set_defaults(**PRESETS[args.preset])  # preset values, then whatever the command line says
     cfg = Config(**vars(p.parse_args(argv)))
-    if cfg.max_response_len % cfg.segments:
-        p.error(f"--max-response-len {cfg.max_response_len} must be a multiple of --segments {cfg.segments}")
-    if cfg.is_mode == "tois" and cfg.segments > 1:
-        p.error(f"--is-mode tois is defined for one segment (every token sampled by the weights being updated); "
-                f"with --segments {cfg.segments} use sais or pois")
-    if cfg.top_p < 1 or cfg.top_k > 0:
-        p.error(f"--top-p {cfg.top_p} / --top-k {cfg.top_k}: training samples with top_p 1 and no top-k (both "
-                f"papers): the trainer's log-probs are over the full distribution, so a truncated one would bias "
-                f"every ratio, DMMPT probability and entropy. Use them for evaluation (eval.py --top-p/--top-k)")
+    for f in dataclasses.fields(cfg):
+        name, value, ok = "--" + f.name.replace("_", "-"), getattr(cfg, f.name), f.metadata["ok"]
+        if isinstance(value, float) and not math.isfinite(value):
+            p.error(f"{name} {value}: must be a finite number")
+        if ok and not ok[0](value):
+            p.error(f"{name} {value}: {ok[1]}")
+    for problem in config_problems(cfg):
+        p.error(problem)
     if (cfg.ref_reset_every or cfg.ref_reset_on_stall) and cfg.kl_coef == 0:
         print("warning: --ref-reset-every/--ref-reset-on-stall with --kl-coef 0: there is no reference, so a "
               "reset only clears the optimizer state", file=sys.stderr, flush=True)
-    if cfg.rollout_gpus:  # the flag is part of the interface; the engine on GPUs of its own is not built yet
-        p.error("--rollout-gpus: running the engine on GPUs of its own (NCCL weight transfer) is not supported "
-                "yet; leave it empty and the engine shares the trainer's device")
     return cfg
+
+
+def config_problems(cfg: Config) -> list[str]:
+    """What is wrong with a combination of flags (each value alone passed its own check)."""
+    out = []
+    if cfg.max_response_len % cfg.segments:
+        out.append(f"--max-response-len {cfg.max_response_len} must be a multiple of --segments {cfg.segments}")
+    if cfg.is_mode == "tois" and cfg.segments > 1:
+        out.append(f"--is-mode tois is defined for one segment (every token sampled by the weights being updated); "
+                   f"with --segments {cfg.segments} use sais or pois")
+    if cfg.top_p < 1 or cfg.top_k > 0:
+        out.append(f"--top-p {cfg.top_p} / --top-k {cfg.top_k}: training samples with top_p 1 and no top-k (both "
+                   f"papers): the trainer's log-probs are over the full distribution, so a truncated one would bias "
+                   f"every ratio, DMMPT probability and entropy. Use them for evaluation (eval.py --top-p/--top-k)")
+    if not (cfg.device == "cpu" or cfg.device == "cuda" or cfg.device.startswith("cuda:")):
+        out.append(f"--device {cfg.device}: must be cpu, cuda or cuda:N")
+    elif cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        out.append(f"--device {cfg.device}: this machine has no CUDA GPU that torch can use "
+                   f"(torch {torch.__version__}, torch.cuda.is_available() is False); use --device cpu")
+    if cfg.device.startswith("cuda") and cfg.rollout_mem > 1:
+        out.append(f"--rollout-mem {cfg.rollout_mem}: on GPU it is the fraction of GPU memory vLLM may take, <= 1")
+    if cfg.resume and cfg.overwrite:
+        out.append(f"--resume {cfg.resume} and --overwrite say opposite things: continue the run, or start again")
+    for flag_name, spec in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
+        if not spec:
+            if flag_name == "--data":
+                out.append("--data is empty: name the training prompts (the ulorl and prorl presets leave them to "
+                           "you), e.g. --data train.parquet")
+            continue
+        try:
+            sources = data.parse_mixture(spec)
+        except ValueError as e:
+            out.append(str(e).replace("--data", flag_name, 1))
+            continue
+        for source, _ in sources:
+            path = os.path.expanduser(source)
+            if (path.endswith(data.SUFFIXES) or path.startswith(("/", "."))) and not os.path.exists(path):
+                out.append(f"{flag_name} {spec}: no such file or directory: {path}")
+    if cfg.rollout_gpus:  # the flag is part of the interface; the engine on GPUs of its own is not built yet
+        out.append("--rollout-gpus: running the engine on GPUs of its own (NCCL weight transfer) is not supported "
+                   "yet; leave it empty and the engine shares the trainer's device")
+    return out
 
 
 # ---------------------------------------------------------------------------------------- distributed
@@ -203,6 +319,32 @@ def setup_distributed(cfg: Config) -> tuple[int, int]:
     return model_lib.rank(), world
 
 
+def busy_cores(seconds: float = 0.2) -> float:
+    """How many cores other processes keep busy, from two samples of /proc/stat (0 where it is unreadable)."""
+    def sample():
+        with open("/proc/stat") as f:
+            values = [int(x) for x in f.readline().split()[1:]]
+        return sum(values), values[3] + values[4]  # total, idle + iowait
+    try:
+        (t0, i0), _, (t1, i1) = sample(), time.sleep(seconds), sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return (1 - (i1 - i0) / max(t1 - t0, 1)) * (os.cpu_count() or 1)
+
+
+def set_threads(requested: int, local_ranks: int) -> int:
+    """torch's CPU threads: --threads; for 0, OMP_NUM_THREADS when set, else the cores idle now shared by this
+    machine's trainer ranks. (Measured on 2 cores with one busy neighbour: 20 tiny steps took 147 s with 2
+    threads, 78 s with 1; idle, 52 s with 2.)"""
+    if not requested:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return torch.get_num_threads()
+        idle = len(os.sched_getaffinity(0)) - round(busy_cores())
+        requested = max(1, idle // local_ranks)
+    torch.set_num_threads(requested)
+    return requested
+
+
 # ---------------------------------------------------------------------------------- steps 1-4: rollout
 
 class EngineFailure(RuntimeError):
@@ -210,16 +352,17 @@ class EngineFailure(RuntimeError):
 
 
 def rollout_until_ready(engine, pools: Pools, rows, state: RunState, tokenizer, sampling: Sampling, cfg: Config,
-                        m: dict, judge: reward.Judge | None) -> list[Sample]:
+                        m: dict, judge: reward.Judge | None, too_long: set) -> list[Sample]:
     """Steps 1-4: rollout rounds until `--train-groups` informative complete groups are ready (at least one
-    round per step, so unfinished samples always advance). Returns every sample rewarded on the way."""
+    round per step, so unfinished samples always advance). Returns every sample rewarded on the way.
+    `too_long`: rows known to exceed --max-prompt-len (data.draw_prompts skips them untokenized)."""
     segment_len = cfg.max_response_len // cfg.segments
     scored = []
     while m["rollout/rounds"] == 0 or len(state.ready) < cfg.train_groups:
         free = cfg.prompts_per_step * cfg.group_size - len(pools.unfinished)
         n_new = 0 if len(state.ready) >= cfg.train_groups else max(free // cfg.group_size, 0)
         prompts, state.cursor, skipped = data.draw_prompts(rows, cfg.seed, state.cursor, n_new, tokenizer,
-                                                           cfg.max_prompt_len, cfg.data)
+                                                           cfg.max_prompt_len, cfg.data, too_long)
         if skipped:
             m["data/skipped_long_prompts"] = m.get("data/skipped_long_prompts", 0) + skipped
         new = [pools.new_group(ids, row, cfg.group_size) for ids, row in prompts]
@@ -240,7 +383,7 @@ def rollout_until_ready(engine, pools: Pools, rows, state: RunState, tokenizer, 
         samples = [s for g in complete for s in g]
         texts = tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
         for k, v in reward.score_samples(samples, texts, cfg.max_response_len, cfg.overlong, cfg.overlong_buffer,
-                                         cfg.reward_timeout, judge).items():
+                                         cfg.reward_timeout, judge, cfg.reward_batch_timeout).items():
             m[k] = m.get(k, 0) + v
         scored += samples
         # 4. dynamic sampling: only informative groups wait for the update
@@ -331,7 +474,9 @@ def open_logs(out: str, resumed_step: int | None):
 
 
 def write_record(f, rec: dict) -> None:
-    f.write(json.dumps(rec) + "\n")
+    """One JSON line; NaN or inf (not JSON) become null."""
+    rec = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()}
+    f.write(json.dumps(rec, allow_nan=False) + "\n")
     f.flush()
 
 
@@ -352,12 +497,13 @@ def step_metrics(step: int, groups: list[list[Sample]], scored: list[Sample], t_
     return out
 
 
-def log_line(m: dict, eta_s: float) -> str:
+def log_line(m: dict, eta_s: float, threads: int) -> str:
+    def num(key, form=".3f"):  # null (nothing measured) as "-"
+        return "  -  " if m.get(key) is None else format(m[key], form)
     acc = f" | eval {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
-    reward_mean = "  -  " if m["reward/mean"] is None else f"{m['reward/mean']:.3f}"
-    return (f"step {m['step']:5d} | reward {reward_mean}{acc} | entropy {m['entropy/mean']:.3f} | "
-            f"masked {m['mpt/masked_frac']:.3f} | unfinished {m['rollout/unfinished']:4d} | "
-            f"tok/s {m['tokens/per_s']:7.0f} | {m['time/step_s']:.2f}s | eta {eta_s / 60:.1f}m")
+    return (f"step {m['step']:5d} | reward {num('reward/mean')}{acc} | entropy {num('entropy/mean')} | "
+            f"masked {num('mpt/masked_frac')} | unfinished {m['rollout/unfinished']:4d} | "
+            f"tok/s {m['tokens/per_s']:7.0f} | {m['time/step_s']:.2f}s | eta {eta_s / 60:.1f}m | {threads} thr")
 
 
 def dump_samples(f, groups: list[list[Sample]], step: int, tokenizer, limit: int) -> None:
@@ -395,12 +541,19 @@ def main(cfg: Config, engine_hook=None) -> None:
     """The run. `engine_hook(engine) -> engine` may wrap rank 0's rollout engine (bench.py counts its work)."""
     rank, world = setup_distributed(cfg)
     lead = rank == 0
+    threads = set_threads(cfg.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if lead:
         print(json.dumps(dataclasses.asdict(cfg)), flush=True)
+    resume_from = checkpoint.find_resume(cfg.resume, cfg.out, cfg.overwrite)  # --out is checked before loading
+    if lead and cfg.overwrite and (gone := checkpoint.clear_run(cfg.out)):
+        print(f"--overwrite: deleted {', '.join(gone)} from {cfg.out}", flush=True)
+    model_lib.barrier()
+    os.makedirs(cfg.out, exist_ok=True)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed + rank)
-    os.makedirs(cfg.out, exist_ok=True)
-    resume_from = checkpoint.find_resume(cfg.resume, cfg.out)
+    keys = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, default_verifier=cfg.default_verifier)
+    rows = data.load_prompts(cfg.data, cfg.seed, **keys) if lead else []  # data before models: a bad row stops
+    eval_rows = data.load_prompts(cfg.eval_data, cfg.seed, True, cfg.eval_n, **keys) if cfg.eval_data and lead else []
     mixed = world > 1 and cfg.parallel == "fsdp" and cfg.dtype == "bfloat16" and cfg.device.startswith("cuda")
     lm, ref_lm, tokenizer = load_models(cfg, resume_from, mixed)
     engine = rollout_engine(cfg, lm, tokenizer, resume_from or cfg.model, world) if lead else None
@@ -411,13 +564,10 @@ def main(cfg: Config, engine_hook=None) -> None:
     ref = model_lib.wrap(ref_lm, mode, trainable=False, mixed_bf16=mixed) if ref_lm is not None else None
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
-    keys = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, default_verifier=cfg.default_verifier)
-    rows = data.load_prompts(cfg.data, cfg.seed, **keys) if lead else []
-    eval_rows = data.load_prompts(cfg.eval_data, cfg.seed, True, cfg.eval_n, **keys) if cfg.eval_data and lead else []
     judge = eval_lib.load_judge(cfg.verifier_model, cfg.verifier_mode, cfg.verifier_max_tokens, cfg.dtype, cfg.device,
                                 cfg.seed) if lead and cfg.verifier_model and cfg.verifier_mode != "off" else None
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
-    pools, state = Pools(), RunState()
+    pools, state = Pools(), RunState(run_id=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     save = functools.partial(checkpoint.save, lm=lm, ref_lm=ref_lm, tokenizer=tokenizer, opt=opt, sched=sched,
                              engine=engine, pools=pools, state=state, cfg=cfg, git=git_hash())
     if resume_from:
@@ -435,7 +585,7 @@ def main(cfg: Config, engine_hook=None) -> None:
                                         "tokens/generated": 0, **ev, "git": git_hash(),
                                         "config": dataclasses.asdict(cfg)})
     stop = stop_on_signals(lead, state)
-    step_times = []
+    step_times, too_long = [], set()
     while state.step < cfg.steps:
         t0, step = time.time(), state.step + 1
         m: dict = {"reward/timeouts": 0, "reward/errors": 0, "rollout/rounds": 0, "tokens/generated": 0,
@@ -443,7 +593,7 @@ def main(cfg: Config, engine_hook=None) -> None:
         groups, scored = None, []
         if lead:  # 1-4. rollout until enough informative complete groups are ready
             try:
-                scored = rollout_until_ready(engine, pools, rows, state, tokenizer, sampling, cfg, m, judge)
+                scored = rollout_until_ready(engine, pools, rows, state, tokenizer, sampling, cfg, m, judge, too_long)
             except EngineFailure:
                 if world == 1:  # under torchrun a checkpoint needs every rank: the newest periodic one resumes
                     save(os.path.join(cfg.out, f"step_{state.step:06d}"))
@@ -482,7 +632,7 @@ def main(cfg: Config, engine_hook=None) -> None:
             m["time/step_s"] = time.time() - t0
             step_times.append(m["time/step_s"])
             write_record(metrics_file, m)  # before the checkpoint: every record up to a checkpoint's step exists
-            print(log_line(m, sum(step_times) / len(step_times) * (cfg.steps - step)), flush=True)
+            print(log_line(m, sum(step_times) / len(step_times) * (cfg.steps - step), threads), flush=True)
         stop_now = stop_now or (stop[0] if world == 1 and stop else "")
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop_now:
             save(os.path.join(cfg.out, f"step_{step:06d}"))
@@ -499,4 +649,7 @@ def main(cfg: Config, engine_hook=None) -> None:
 
 
 if __name__ == "__main__":
-    main(parse_config())
+    try:
+        main(parse_config())
+    except (ValueError, FileNotFoundError) as e:  # a user's mistake (a data row, an --out, a file): the message says it
+        sys.exit(f"error: {e}")

@@ -61,6 +61,7 @@ class RunState:
     cursor: int = 0  # prompts drawn so far from the endless shuffled stream (data.draw_order)
     ready: list = field(default_factory=list)  # informative complete groups waiting for an update
     bad_steps: int = 0  # steps in a row whose every update was skipped for a NaN/inf loss or gradient
+    run_id: str = ""  # names the run in its checkpoints' manifests: --keep-last prunes only its own
     best_eval: float | None = None  # the best held-out accuracy so far (--ref-reset-on-stall)
     evals_since_best: int = 0  # evaluations since it last improved, or since the last reset
 

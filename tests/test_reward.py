@@ -200,6 +200,23 @@ def test_score_batch_kills_hanging_check_and_recovers(monkeypatch):
     assert len(reward._POOL) == 2 and all(w.proc.is_alive() for w in reward._POOL)
 
 
+def test_batch_timeout_bounds_the_whole_batch(monkeypatch):
+    """6 hanging checks among 10 good ones, 2 workers, 5 s per check: alone, the hanging checks queue behind
+    each other (3 rounds of 5 s on 2 workers, ~15-25 s). With batch_timeout 6 s the call returns after ~6 s;
+    whatever is left scores 0 and counts as a timeout, and the pool is whole again."""
+    monkeypatch.setitem(reward.VERIFIERS, "hang", _hang)
+    score_batch([("tiny", "1:1", "1")] * 2, workers=2)  # start the pool outside the timed part
+    items = [("hang", "x", "y") if i % 16 < 6 else ("tiny", f"{i}:{i}", str(i)) for i in range(16)]
+    start = time.perf_counter()
+    scores, metrics = score_batch(items, timeout=5.0, workers=2, batch_timeout=6.0)
+    elapsed = time.perf_counter() - start
+    assert 6.0 <= elapsed < 6.0 + 2.0, elapsed
+    assert scores[:6] == [0.0] * 6 and set(scores[6:]) <= {0.0, 1.0}
+    assert metrics["reward/timeouts"] == 6 + scores[6:].count(0.0) and metrics["reward/errors"] == 0
+    assert score_batch([("tiny", "1:1", "1")] * 4, timeout=5.0)[0] == [1.0] * 4
+    assert len(reward._POOL) == 2 and all(w.proc.is_alive() for w in reward._POOL)
+
+
 # ---------------------------------------------------------------------------- the math table
 
 def B(s):

@@ -175,3 +175,30 @@ def test_program_dies_with_a_reward_worker_killed_for_its_timeout():
     assert left  # the killed worker could not remove its directory ...
     run_program("print(1)")
     assert not any(os.path.exists(path) for path in left)  # ... the next run sweeps it away
+
+
+@pytest.mark.skipif(not sandbox.network_isolated(), reason="this kernel refuses namespaces (see sandbox.py)")
+def test_only_a_private_size_limited_tmp_is_writable_and_nothing_outlives_the_check():
+    """The program may write only its own /tmp (a tmpfs of sandbox.TMP_MB, its working directory): the
+    machine's world-writable directories stay untouched, and nothing it wrote is left after the check."""
+    places = ["/tmp", "/var/tmp", "/dev/shm", "/run/lock", "."]
+    code = ("import os\n"
+            f"for d in {places!r}:\n"
+            "    try:\n"
+            "        open(os.path.join(d, 'ulorl_probe_file'), 'w').write('x')\n"
+            "        print(d, 'writable')\n"
+            "    except OSError as e:\n"
+            "        print(d, type(e).__name__)\n"
+            "try:\n"
+            f"    open('/tmp/ulorl_probe_big', 'wb').write(b'x' * ({sandbox.TMP_MB} + 8 << 20))\n"
+            "    print('big written')\n"
+            "except OSError as e:\n"
+            "    print('big', e.errno)\n")
+    r = run_program(code, timeout=10.0, file_mb=256, memory_mb=2048)
+    assert r.status == "ok", r
+    lines = r.stdout.splitlines()
+    assert lines[:5] == ["/tmp writable", "/var/tmp OSError", "/dev/shm OSError", "/run/lock OSError", ". writable"]
+    assert lines[5] == "big 28"  # ENOSPC: the private /tmp is full at TMP_MB
+    for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
+        assert not os.path.exists(os.path.join(d, "ulorl_probe_file")), d
+    assert not os.path.exists("/tmp/ulorl_probe_big")
