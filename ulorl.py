@@ -213,6 +213,20 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg) -> tuple[di
     return totals, ratio_max, skipped, grad_norm
 
 
+def engine_gap_check(gap: float, cfg) -> None:
+    """A rollout engine that disagrees with the trainer about the tokens the very same weights sampled is
+    wrong (a weight sync that did not land, a kernel bug), and every sample it makes trains on garbage:
+    stop before the update, or warn, past --max-logprob-gap nats (fp32 engines agree to ~1e-5, bf16 ~1e-2)."""
+    if cfg.max_logprob_gap and gap > cfg.max_logprob_gap:
+        message = (f"the rollout engine and the trainer disagree by {gap:.3g} nats (rollout/logprob_diff_max) on "
+                   f"tokens the current weights sampled, past --max-logprob-gap {cfg.max_logprob_gap}: the engine's "
+                   f"weights or kernels are wrong")
+        if cfg.on_logprob_gap == "stop":
+            raise RuntimeError(message + "; stopping before the update (--on-logprob-gap warn trains on)")
+        if model_lib.rank() == 0:
+            print(f"WARNING: {message}", file=sys.stderr, flush=True)
+
+
 def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg) -> dict:
     """Steps 5-6 on a batch of complete, informative groups (the same batch on every rank); `version` is the
     policy version of the current weights. `policy` and `ref` are model.wrap()ped: they map a micro-batch to
@@ -220,11 +234,13 @@ def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: in
     samples = [s for g in groups for s in g]
     minis = plan_micro_batches(samples, sample_advantages(groups), pad_id, cfg)
     stats, diff_max = prepare(policy, ref, minis, version, cfg)
+    diff_max = model_lib.all_max(diff_max)
+    engine_gap_check(diff_max, cfg)
     totals, ratio_max, skipped, grad_norm = optimize(policy, opt, sched, minis, cfg)
     totals = model_lib.all_sum({**totals, **stats})
     stats = {k: totals.pop(k) for k in list(stats)}
     w, wc = max(totals.pop("_w", 0), 1), max(totals.pop("_wc", 0), 1)
-    ratio_max, diff_max = model_lib.all_max(ratio_max), model_lib.all_max(diff_max)
+    ratio_max = model_lib.all_max(ratio_max)
     out = {k: v / len(minis) if k == "loss/policy" else v / (wc if k == "loss/kl" else w) for k, v in totals.items()}
     out["ratio/max"] = ratio_max
     out = {k: (v if math.isfinite(v) else None) for k, v in out.items()}  # JSON has no NaN

@@ -118,3 +118,38 @@ def test_reset_without_kl_warns_that_it_resets_only_the_optimizer(capsys):
     import train
     train.parse_config(["--ref-reset-every", "10"])
     assert "only clears the optimizer state" in capsys.readouterr().err
+
+
+def test_a_hub_name_loads_from_the_local_cache_offline(tmp_path):
+    """--model ORG/NAME as every peer takes it: here from a fresh Hugging Face cache holding the tiny model
+    under a hub-style name, offline (HF_HUB_OFFLINE=1), through transformers and (when installed) vLLM."""
+    import shutil
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--ulorl-test--tiny-qwen3"
+    shutil.copytree(os.path.join(ROOT, "tiny_ckpt"), repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    engines = ["hf", "vllm"] if __import__("importlib").util.find_spec("vllm") else ["hf"]
+    for engine in engines:
+        p = subprocess.run([sys.executable, "train.py", "--model", "ulorl-test/tiny-qwen3", "--engine", engine,
+                            "--steps", "1", "--eval-n", "8", "--out", str(tmp_path / engine)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert os.path.exists(tmp_path / engine / "step_000001" / "model.safetensors")
+    p = subprocess.run([sys.executable, "train.py", "--model", "ulorl-test/not-there", "--out", str(tmp_path / "x")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "--model ulorl-test/not-there: neither a local directory nor a model" in p.stderr
+
+
+def test_an_engine_that_disagrees_with_the_trainer_stops_the_run(tmp_path):
+    """A gap past --max-logprob-gap stops the run before its update, naming the gap (here a threshold below
+    the fp32 noise of a correct engine, ~1e-6, stands in for a broken one)."""
+    p = run_train("--steps", "2", "--eval-data", "", "--max-logprob-gap", "1e-12", "--out", str(tmp_path / "o"))
+    assert p.returncode != 0
+    assert "the rollout engine and the trainer disagree by" in p.stderr and "--max-logprob-gap 1e-12" in p.stderr
+    assert not os.path.exists(tmp_path / "o" / "step_000001")
+    p = run_train("--steps", "1", "--eval-data", "", "--max-logprob-gap", "1e-12", "--on-logprob-gap", "warn",
+                  "--out", str(tmp_path / "w"))
+    assert p.returncode == 0 and "WARNING: the rollout engine and the trainer disagree" in p.stderr

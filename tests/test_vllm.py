@@ -60,12 +60,12 @@ def test_logprobs_match_trainer_across_weight_updates(setup):
     without reset_prefix_cache() (stale KV of the old weights) or without the tied lm_head repack."""
     tok, model, engine = setup
     model = copy.deepcopy(model)
-    engine.update_weights(model.named_parameters())
+    engine.update_weights(model)
     ps = prompts(tok)
     seqs = [p + g.tokens for p, g in zip(ps, engine.generate(ps, [24] * len(ps), SAMPLING))]
     for update in range(3):
         perturb(model, seed=update)
-        engine.update_weights(model.named_parameters())
+        engine.update_weights(model)
         gens = engine.generate(seqs, [16] * len(seqs), SAMPLING)
         for seq, g in zip(seqs, gens):
             assert g.tokens, "the random model should not stop at once"
@@ -80,7 +80,7 @@ def test_segments_remember_the_policy_that_sampled_them(setup):
     from segment_rollout import Pools, rollout_step
     tok, model, engine = setup
     model = copy.deepcopy(model)
-    engine.update_weights(model.named_parameters())
+    engine.update_weights(model)
     pools = Pools()
     group = pools.new_group(prompts(tok, 1)[0], {"answer": "0", "verifier": "tiny"}, size=4)
     snapshots = []
@@ -89,7 +89,7 @@ def test_segments_remember_the_policy_that_sampled_them(setup):
         rollout_step(engine, pools, [group] if version == 0 else [], segment_len=8, max_len=64,
                      sampling=SAMPLING, version=version)
         perturb(model, seed=10 + version)
-        engine.update_weights(model.named_parameters())
+        engine.update_weights(model)
     long = [s for s in group if len(s.seg_starts) == 3]
     assert long, "no sample ran three segments"
     for s in long:
@@ -106,7 +106,7 @@ def test_segments_remember_the_policy_that_sampled_them(setup):
 
 def test_per_sample_budgets_and_seeded_sampling(setup):
     tok, model, engine = setup
-    engine.update_weights(model.named_parameters())
+    engine.update_weights(model)
     ps = prompts(tok, 4)
     state = engine.rng_state()
     a = engine.generate(ps, [0, 1, 5, 9], SAMPLING)
@@ -121,7 +121,7 @@ def test_batch_larger_than_the_token_budget(setup):
     crash: on CPU, vLLM rewinds a seeded request's generator after a split prefill, which CPU generators
     cannot do, so the engine keeps every prompt whole."""
     tok, model, engine = setup
-    engine.update_weights(model.named_parameters())
+    engine.update_weights(model)
     ps = [p for p in prompts(tok, 5) for _ in range(20)]
     gens = engine.generate(ps, [2] * len(ps), SAMPLING)
     assert len(gens) == 100 and all(1 <= len(g.tokens) <= 2 for g in gens)

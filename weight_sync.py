@@ -1,0 +1,223 @@
+"""How new weights reach vLLM: its weight-transfer API, driven from the trainer.
+
+vLLM 0.32 moves a trainer's weights into a running engine through a pluggable transfer with a start /
+update / finish protocol (docs: "Weight Transfer"): `WeightTransferConfig(backend=...)` on the engine, and
+`WeightTransferTrainerFactory.trainer_init(init_info, client=..., source=...)` then `send_weights()` on
+every trainer rank. Its finish phase runs each layer's post-load processing, which a bare in-place reload
+skips. This file supplies the three pieces the trainer needs:
+
+- `HFSource`: the trainer's weights as vLLM reads them, in the checkpoint's layout and names (transformers
+  keeps a Mixture-of-Experts layer's experts fused in one tensor; a checkpoint, and vLLM's loader, one per
+  expert), gathered from the FSDP shards a decoder layer at a time (model.hf_weights).
+- `LLMClient`: the control plane, four calls on the `vllm.LLM` object (`collective_rpc` to its workers,
+  in this process or in the engine's own).
+- a gloo backend (`GlooEngine` in the workers, `GlooTrainer` in the trainer), registered in vLLM's
+  factories beside its NCCL (engine on GPUs of its own) and CUDA-IPC (engine sharing the trainer's GPU)
+  backends: the same protocol on CPU, over a process group of its own between trainer rank 0 and the
+  engine's workers. It also re-applies two CPU-only post-load steps that vLLM 0.32 skips on a weight update
+  (measured: the tiny engines' log-probs off by 0.1-3 nats without them, 1e-6 with them): the tied lm_head's
+  repack, and the Mixture-of-Experts experts' prepacked layout.
+
+vLLM's workers import this file (`WorkerExtension`, given as worker_extension_cls), which registers the gloo
+backend there before the engine is created.
+"""
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer import (ParamMeta, TrainerWeightTransferEngine, WeightSource,
+                                              WeightTransferEngine, WeightTransferEngineFactory,
+                                              WeightTransferTrainerFactory)
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+import model as model_lib
+
+TIMEOUT = timedelta(minutes=30)  # a rendezvous or one tensor's broadcast; a 30B model's sync takes seconds
+
+
+class HFSource(WeightSource):
+    """The trainer's module as vLLM reads it: checkpoint names and layout, in `dtype` (the engine's: no
+    point shipping fp32 master weights to a bf16 engine), a decoder layer at a time. Iterating is a
+    collective under FSDP: every trainer rank walks it in step."""
+
+    def __init__(self, lm, dtype: torch.dtype | None = None):
+        self.lm, self.dtype = lm, dtype
+        self._meta = [ParamMeta(name, dtype or t.dtype, tuple(t.shape))
+                      for name, t in model_lib.hf_weights(lm, on_meta=True)]
+
+    def metadata(self) -> list[ParamMeta]:
+        return self._meta
+
+    def __iter__(self):
+        for name, t in model_lib.hf_weights(self.lm):
+            yield name, t if self.dtype is None else t.to(self.dtype)
+
+
+class LLMClient:
+    """The four control-plane calls of vLLM's `VLLMWeightSyncClient` protocol, on an `LLM`."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
+
+    def start_weight_update(self) -> None:
+        self.llm.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self.llm.collective_rpc("update_weights", args=(update_info,))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.collective_rpc("finish_weight_update")
+
+
+class NoClient:
+    """Trainer ranks other than 0 hold no engine: the transfer engines never call their client."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def connect(llm, lm, backend: str, rank: int, engine_ranks: int, dtype: torch.dtype | None = None):
+    """The trainer side of the transfer, on every trainer rank (rank 0 drives the engine `llm`; the others
+    take part in the gathers): a vLLM `TrainerWeightTransferEngine` whose `send_weights()` moves the weights
+    of `lm` into the engine's `engine_ranks` workers."""
+    if backend == "gloo":
+        info = GlooTrainerInitInfo(rank=rank, port=free_port() if rank == 0 else 0, world_size=1 + engine_ranks)
+    elif backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+        info = NCCLTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=free_port() if rank == 0 else 0,
+                                   world_size=1 + engine_ranks)
+    elif backend == "ipc":
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+        info = IPCTrainerInitInfo(rank=rank, packed=True)  # through a bounded buffer, not the whole model at once
+    else:
+        raise ValueError(f"unknown weight-transfer backend {backend!r}")
+    return WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm) if rank == 0 else NoClient(),
+                                                     source=HFSource(lm, dtype))
+
+
+# ------------------------------------------------------------------------------------- the gloo backend
+
+def _group(host: str, port: int, rank: int, world: int):
+    """A gloo process group of its own between trainer rank 0 (rank 0 here) and the engine's workers: the
+    default group belongs to torchrun's trainer ranks, and inside vLLM's workers to vLLM."""
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=TIMEOUT)
+    return dist.ProcessGroupGloo(dist.PrefixStore("ulorl_weights", store), rank, world, TIMEOUT)
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    host: str
+    port: int
+    world_size: int
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+
+class GlooEngine(WeightTransferEngine):
+    """The worker side: receives each tensor by broadcast from trainer rank 0 and loads it, inside vLLM's
+    layerwise reload (start/finish), as the NCCL backend does."""
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        rank = 1 + self.parallel_config.rank  # after trainer rank 0
+        self.group = _group(init_info.host, init_info.port, rank, init_info.world_size)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, info: GlooUpdateInfo) -> None:
+        for name, dtype, shape in zip(info.names, info.dtype_names, info.shapes):
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            self.group.broadcast(t, 0).wait()
+            self.model.load_weights([(name, t)])
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        finalize_layerwise_reload(self.model, self.model_config)
+        m = self.model
+        for layer in m.modules():  # vLLM repacks CPU experts at load only, not on a weight update
+            kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+            if isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
+                kernel.fused_experts.process_weights_after_loading(layer)
+        if getattr(m, "lm_head", None) is not None and m.lm_head.weight is m.model.embed_tokens.weight:
+            m.lm_head.quant_method.process_weights_after_loading(m.lm_head)  # a tied lm_head keeps its old copy
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    backend: ClassVar[str] = "gloo"
+    port: int = 0
+    world_size: int = 2  # trainer rank 0 + the engine's workers
+    host: str = "127.0.0.1"
+
+
+class GlooTrainer(TrainerWeightTransferEngine):
+    """The trainer side: rank 0 broadcasts each tensor of the source while the workers receive it (their
+    update_weights runs beside, as in vLLM's NCCL backend); other ranks only take part in the gathers."""
+    init_info_cls = GlooTrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        if engine.is_sender:  # the workers wait in init for the rendezvous: open our end beside
+            with ThreadPoolExecutor(1) as pool:
+                done = pool.submit(client.init_weight_transfer_engine,
+                                   {"host": init_info.host, "port": init_info.port, "world_size": init_info.world_size})
+                engine.group = _group(init_info.host, init_info.port, 0, init_info.world_size)
+                done.result()
+        return engine
+
+    def send_weights(self) -> None:
+        if not self.is_sender:
+            for _ in self.source:
+                pass
+            return
+        meta = self.source.metadata()
+        self.client.start_weight_update()
+        with ThreadPoolExecutor(1) as pool:
+            done = pool.submit(self.client.update_weights, {"names": [m.name for m in meta],
+                                                            "dtype_names": [str(m.dtype).split(".")[-1] for m in meta],
+                                                            "shapes": [list(m.shape) for m in meta]})
+            for (name, t), m in zip(self.source, meta):
+                assert name == m.name and tuple(t.shape) == m.shape, (name, m)
+                self.group.broadcast(t.detach().to("cpu").contiguous(), 0).wait()
+            done.result()
+        self.client.finish_weight_update()
+
+
+def register() -> None:
+    """Put the gloo backend in vLLM's factories (in this process: the trainer's, or an engine worker's)."""
+    for factory, cls in ((WeightTransferEngineFactory, GlooEngine), (WeightTransferTrainerFactory, GlooTrainer)):
+        try:
+            factory.register_engine("gloo", cls)
+        except ValueError:  # registered already
+            pass
+
+
+register()
+
+
+class WorkerExtension:
+    """vLLM's workers import this class (worker_extension_cls), and with it this file: the gloo backend is
+    then registered where the engine is created. It adds no methods."""
