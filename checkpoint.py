@@ -158,12 +158,12 @@ def problem(path: str) -> str | None:
 
 def run_files(out: str) -> list[str]:
     """What of a run the folder `out` holds: metrics.jsonl / samples.jsonl with records, step_* checkpoints
-    (finished or interrupted)."""
+    (finished or interrupted), --report-to's tb/ and wandb/ folders."""
     if not os.path.isdir(out):
         return []
     found = [n for n in ("metrics.jsonl", "samples.jsonl")
              if os.path.exists(os.path.join(out, n)) and os.path.getsize(os.path.join(out, n)) > 0]
-    return found + sorted(d for d in os.listdir(out) if d.startswith("step_"))
+    return found + sorted(d for d in os.listdir(out) if d.startswith("step_") or d in ("tb", "wandb"))
 
 
 def find_resume(resume: str, out: str, overwrite: bool = False) -> str | None:

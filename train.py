@@ -228,6 +228,10 @@ class Config:
                           ok=at_least(0))
     max_bad_steps: int = flag(3, "stop after this many updates in a row skipped for a NaN/inf loss or gradient",
                               ok=at_least(1))
+    report_to: str = flag("none", "also send every metrics.jsonl record to tensorboard (event files in --out/tb), "
+                                  "wandb (offline unless WANDB_MODE=online), or both: 'tensorboard,wandb'",
+                          ok=(lambda v: set(v.split(",")) <= {"none", "tensorboard", "wandb"},
+                              "must be none, tensorboard, wandb or 'tensorboard,wandb'"))
     dump_samples: int = flag(256, "samples.jsonl records per step (0: none)",
                              ok=at_least(0))
 
@@ -510,6 +514,42 @@ def open_logs(out: str, resumed_step: int | None):
     return files
 
 
+class Trackers:
+    """--report-to: the numbers of every metrics.jsonl record, under the same keys, to TensorBoard and/or
+    Weights & Biases (offline by default: it needs no network or account). Rank 0 only; off by default."""
+
+    def __init__(self, cfg: Config):
+        self.tb = self.wandb = None
+        targets = set(cfg.report_to.split(","))
+        try:
+            if "tensorboard" in targets:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(os.path.join(cfg.out, "tb"))
+            if "wandb" in targets:
+                import wandb
+                os.environ.setdefault("WANDB_MODE", "offline")
+                self.wandb = wandb.init(project="ulorl", dir=cfg.out, config=dataclasses.asdict(cfg),
+                                        resume="allow", id=os.path.basename(os.path.abspath(cfg.out)))
+        except ImportError as e:
+            raise ValueError(f"--report-to {cfg.report_to}: {e.name} is not installed (pip install tensorboard "
+                             f"wandb)") from None
+
+    def log(self, rec: dict) -> None:
+        numbers = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)}
+        if self.tb is not None:
+            for k, v in numbers.items():
+                self.tb.add_scalar(k, v, rec["step"])
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=rec["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
 def write_record(f, rec: dict) -> None:
     """One JSON line; NaN or inf (not JSON) become null."""
     rec = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()}
@@ -613,14 +653,15 @@ def main(cfg: Config, engine_hook=None) -> None:
         if resume_from:
             print(f"resumed from {resume_from} at step {state.step}", flush=True)
         metrics_file, samples_file = open_logs(cfg.out, state.step if resume_from else None)
+        trackers = Trackers(cfg)
         if state.step == 0 and eval_rows:  # held-out accuracy before any update: step 0
             t0, ev = time.time(), held_out(engine, tokenizer, eval_rows, cfg, judge)
             ulorl.stalled(state, ev["eval/accuracy"], cfg.ref_reset_on_stall)  # the baseline to improve on
             print(f"step     0 | eval accuracy {ev['eval/accuracy']:.3f} (before training)", flush=True)
-            write_record(metrics_file, {"step": 0, "time/step_s": time.time() - t0, "reward/mean": None,
-                                        "entropy/mean": None, "mpt/masked_frac": None, "rollout/unfinished": 0,
-                                        "tokens/generated": 0, **ev, "git": git_hash(),
-                                        "config": dataclasses.asdict(cfg)})
+            rec = {"step": 0, "time/step_s": time.time() - t0, "reward/mean": None, "entropy/mean": None,
+                   "mpt/masked_frac": None, "rollout/unfinished": 0, "tokens/generated": 0, **ev}
+            write_record(metrics_file, {**rec, "git": git_hash(), "config": dataclasses.asdict(cfg)})
+            trackers.log(rec)
     stop = stop_on_signals(lead, state)
     step_times, too_long = [], set()
     while state.step < cfg.steps:
@@ -675,6 +716,7 @@ def main(cfg: Config, engine_hook=None) -> None:
             m["time/step_s"] = time.time() - t0
             step_times.append(m["time/step_s"])
             write_record(metrics_file, m)  # before the checkpoint: every record up to a checkpoint's step exists
+            trackers.log(m)
             print(log_line(m, sum(step_times) / len(step_times) * (cfg.steps - step), threads), flush=True)
         stop_now = stop_now or (stop[0] if world == 1 and stop else "")
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop_now:
@@ -687,6 +729,7 @@ def main(cfg: Config, engine_hook=None) -> None:
     if lead:
         metrics_file.close()
         samples_file.close()
+        trackers.close()
     if world > 1:
         dist.destroy_process_group()
 

@@ -153,3 +153,27 @@ def test_an_engine_that_disagrees_with_the_trainer_stops_the_run(tmp_path):
     p = run_train("--steps", "1", "--eval-data", "", "--max-logprob-gap", "1e-12", "--on-logprob-gap", "warn",
                   "--out", str(tmp_path / "w"))
     assert p.returncode == 0 and "WARNING: the rollout engine and the trainer disagree" in p.stderr
+
+
+def test_report_to_tensorboard_and_wandb_offline(tmp_path):
+    """--report-to: the same numbers as metrics.jsonl, in TensorBoard event files and an offline W&B run
+    (no network, no account)."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    out = tmp_path / "run"
+    p = run_train("--steps", "2", "--eval-n", "16", "--report-to", "tensorboard,wandb", "--out", str(out),
+                  "--dump-samples", "0")
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = records(out / "metrics.jsonl")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(out / "tb")).Reload()
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("reward/mean")] == \
+        [(r["step"], round(r["reward/mean"], 5)) for r in recs if r["reward/mean"] is not None]
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 2]
+    (run,) = [d for d in os.listdir(out / "wandb") if d.startswith("offline-run-")]
+    (log,) = [f for f in os.listdir(out / "wandb" / run) if f.endswith(".wandb")]  # the offline run's records
+    data = (out / "wandb" / run / log).read_bytes()  # history values are stored as JSON text
+    for r in recs[1:]:
+        assert json.dumps(r["reward/mean"]).encode() in data and json.dumps(r["loss/policy"]).encode() in data
+    p = run_train("--steps", "1", "--out", str(tmp_path / "x"), "--report-to", "mlflow", timeout=60)
+    assert p.returncode == 2 and "--report-to mlflow: must be none, tensorboard, wandb" in p.stderr
