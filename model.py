@@ -4,7 +4,9 @@ wrapping and the few collectives the update needs, gathering full weights, and H
 (safetensors, loadable by `AutoModelForCausalLM.from_pretrained` and by vLLM).
 """
 import contextlib
+import copy
 import itertools
+import json
 import os
 from dataclasses import dataclass, fields
 
@@ -45,12 +47,11 @@ def is_local_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or os.path.isdir(name)
 
 
-def load(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradient_checkpointing: bool = False,
-         rope_scaling_factor: float = 0.0, rope_original_max_positions: int = 0, attn_implementation: str = "sdpa"):
-    """A hub name (from the Hugging Face cache, or downloaded) or a local directory; weights from safetensors
-    only (no pickle). rope_scaling_factor > 0 turns on YaRN (yarn_overrides). A Mixture-of-Experts model's
-    router auxiliary loss stays off (output_router_logits False): RL's loss is the policy's alone, and the
-    trainer's forward (response_logprobs) runs the decoder without it."""
+def load_config(name_or_path: str, rope_scaling_factor: float = 0.0, rope_original_max_positions: int = 0):
+    """(tokenizer, config) of a hub name (from the Hugging Face cache, or downloaded) or a local directory,
+    with the YaRN flags applied (yarn_overrides) and a Mixture-of-Experts model's router auxiliary loss off
+    (output_router_logits False): RL's loss is the policy's alone, and the trainer's forward
+    (response_logprobs) runs the decoder without it."""
     if is_local_path(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
         raise FileNotFoundError(f"--model {name_or_path}: no such directory")
     try:
@@ -66,11 +67,127 @@ def load(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradien
         setattr(config, key, value)  # what vLLM does with hf_overrides
     if hasattr(config, "output_router_logits"):
         config.output_router_logits = False
+    return tokenizer, config
+
+
+def load(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradient_checkpointing: bool = False,
+         rope_scaling_factor: float = 0.0, rope_original_max_positions: int = 0, attn_implementation: str = "sdpa"):
+    """(model, tokenizer), the whole model in this process (one process, DDP, the engine's copy): a hub name
+    or a local directory (load_config), weights from safetensors only (no pickle)."""
+    tokenizer, config = load_config(name_or_path, rope_scaling_factor, rope_original_max_positions)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=DTYPES[dtype],
                                                  use_safetensors=True, attn_implementation=attn_implementation)
     if gradient_checkpointing:  # recompute each decoder layer in the backward (non-reentrant checkpoint)
         model.gradient_checkpointing_enable()
     return model.to(device), tokenizer
+
+
+@contextlib.contextmanager
+def params_on_meta():
+    """Parameters are made on the meta device (no memory, no random init); buffers as usual (rotary
+    frequencies are computed when the model is built and are in no checkpoint)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":  # an existing meta parameter (a tie) stays itself
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def load_sharded(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradient_checkpointing: bool = False,
+                 rope_scaling_factor: float = 0.0, rope_original_max_positions: int = 0,
+                 attn_implementation: str = "sdpa", trainable: bool = True, mixed_bf16: bool = False):
+    """(wrapped module, model, tokenizer) under FSDP2 without any rank holding the whole model: built on the
+    meta device, sharded (wrap), then each rank allocates its shards and fills them from the checkpoint's
+    safetensors, read a decoder layer at a time (fill_shards). Peak memory per rank: its shards + one layer."""
+    tokenizer, config = load_config(name_or_path, rope_scaling_factor, rope_original_max_positions)
+    with params_on_meta():
+        lm = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    lm.eval().requires_grad_(trainable)  # as from_pretrained leaves it (a frozen reference: no gradients)
+    if gradient_checkpointing:
+        lm.gradient_checkpointing_enable()
+    policy = wrap(lm, "fsdp", trainable=trainable, mixed_bf16=mixed_bf16)
+    buffers = {name: b.clone() for name, b in lm.named_buffers()}
+    policy.to_empty(device=device)  # to_empty also empties the buffers: put them back
+    with torch.no_grad():
+        for name, b in lm.named_buffers():
+            b.copy_(buffers[name])
+    fill_shards(lm, local_checkpoint(name_or_path))
+    return policy, lm, tokenizer
+
+
+def local_checkpoint(name_or_path: str) -> str:
+    """The directory holding a model's files: itself, or a hub name's snapshot in the Hugging Face cache."""
+    if os.path.isdir(os.path.expanduser(name_or_path)):
+        return os.path.expanduser(name_or_path)
+    from huggingface_hub import snapshot_download
+    return snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json"])
+
+
+def checkpoint_to_internal(lm, tensors: dict) -> dict:
+    """Checkpoint tensors (names and layout as on disk) as the module holds them: transformers' own loading
+    conversion (e.g. a Mixture-of-Experts layer's per-expert tensors stacked into one fused tensor), applied
+    to part of a checkpoint (one decoder layer); the inverse of hf_weights. Keys the module has no use for
+    are dropped."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    transforms = get_model_conversion_mapping(lm)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    names = {n for n, _ in lm.named_parameters()}
+    pending = {}
+    for key, tensor in sorted(tensors.items(), key=lambda kv: dot_natural_key(kv[0])):
+        target, pattern = rename_source_key(key, renamings, converters)
+        if target not in names and key in names:
+            target, pattern = key, None
+        if target in names:
+            op = pending.setdefault(target, copy.deepcopy(by_pattern[pattern]) if pattern else WeightRenaming(key, target))
+            op.add_tensor(target, key, pattern or key, tensor)
+    out = {}
+    for target, op in pending.items():
+        for name, value in op.convert(target, model=lm, config=lm.config).items():
+            out[name] = value[0] if isinstance(value, list) else value
+    return out
+
+
+def fill_shards(lm, path: str) -> None:
+    """Each rank reads the checkpoint in `path` a decoder layer at a time, converts it to the module's layout
+    and keeps only its own shard of each parameter (distribute_tensor with no source rank: no communication)."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import distribute_tensor
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            where = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    else:
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+            where = {k: os.path.join(path, "model.safetensors") for k in f.keys()}
+    by_layer: dict = {}
+    for key in where:
+        by_layer.setdefault(layer_of(key), []).append(key)
+    params, filled = dict(lm.named_parameters()), set()
+    with torch.no_grad():
+        for keys in by_layer.values():
+            tensors = {}
+            for key in keys:
+                with safe_open(where[key], "pt") as f:
+                    tensors[key] = f.get_tensor(key)
+            for name, full in checkpoint_to_internal(lm, tensors).items():
+                p = params[name]
+                full = full.to(device=p.device, dtype=p.dtype)
+                local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local() \
+                    if isinstance(p, DTensor) else full
+                (p.to_local() if isinstance(p, DTensor) else p).copy_(local)
+                filled.add(name)
+    if missing := sorted(set(params) - filled):
+        raise ValueError(f"{path}: the checkpoint has no tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
 # ------------------------------------------------------------------------------------ micro-batches
@@ -320,13 +437,19 @@ def gather_only(lm) -> None:
         pass
 
 
+def layer_of(name: str) -> str | None:
+    """"model.layers.3" for "model.layers.3.mlp.experts.7.down_proj.weight": the name up to its first
+    number (None for embeddings, final norm, lm_head)."""
+    parts = name.split(".")
+    return next((".".join(parts[:i + 1]) for i, p in enumerate(parts) if p.isdigit()), None)
+
+
 def layer_groups(names: list[str]) -> list[list[str]]:
     """Parameter names in order, cut where the decoder layer changes (embeddings, layer 0, layer 1, ...,
     final norm and lm_head): the unit in which weights are gathered, converted and sent."""
     groups, key = [], object()
     for name in names:
-        parts = name.split(".")
-        layer = next((".".join(parts[:i + 1]) for i, p in enumerate(parts) if p.isdigit()), None)
+        layer = layer_of(name)
         if not groups or layer != key:
             groups.append([])
             key = layer
@@ -350,14 +473,39 @@ def hf_weights(lm, on_meta: bool = False):
         yield from revert_weight_conversion(lm, full).items()
 
 
-def save_weights(lm, weights, tokenizer, path: str) -> None:
-    """HF-format checkpoint from (name, tensor) pairs in the checkpoint's layout (hf_weights): safetensors
-    shards + config + tokenizer, loadable by from_pretrained and vLLM. In a sharded run every rank walks
+def save_weights(lm, weights, tokenizer, path: str, max_shard_bytes: int = 5 << 30) -> None:
+    """An HF-format checkpoint written as the (name, tensor) pairs stream in (hf_weights: a decoder layer at
+    a time): safetensors shards of at most `max_shard_bytes` with model.safetensors.index.json (a single
+    model.safetensors when all fits one), config, tokenizer; loadable by from_pretrained and vLLM. Host
+    memory holds one shard and one layer, never the whole model. In a sharded run every rank walks
     hf_weights() (or gather_only) and only rank 0 calls this with it."""
-    from huggingface_hub import save_torch_state_dict
-    state = {name: t.to("cpu", copy=True) for name, t in weights}
+    from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
-    save_torch_state_dict(state, path)
+    shard, size, files, weight_map = {}, 0, [], {}
+
+    def write():
+        files.append(f"model-{len(files) + 1:05d}.safetensors")
+        save_file(shard, os.path.join(path, files[-1]), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, files[-1]))
+
+    total = 0
+    for name, t in weights:
+        t = t.detach().to("cpu", copy=True).contiguous()
+        if shard and size + t.nbytes > max_shard_bytes:
+            write()
+            shard, size = {}, 0
+        shard[name], size, total = t, size + t.nbytes, total + t.nbytes
+    if shard or not files:
+        write()
+    if len(files) == 1:
+        os.replace(os.path.join(path, files[0]), os.path.join(path, "model.safetensors"))
+    else:  # the total is known only now: the usual names carry it
+        final = {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
+        for f, g in final.items():
+            os.replace(os.path.join(path, f), os.path.join(path, g))
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}},
+                      f, indent=2)
     lm.config.save_pretrained(path)
     if getattr(lm, "generation_config", None) is not None:
         lm.generation_config.save_pretrained(path)

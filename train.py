@@ -19,7 +19,6 @@ One step, in paper order (ulorl.py maps every paper component to its function):
   8.   log one line + metrics.jsonl; evaluate; checkpoint
 """
 import argparse
-import copy
 import dataclasses
 import functools
 import json
@@ -39,6 +38,7 @@ import checkpoint
 import data
 import eval as eval_lib
 import model as model_lib
+import plan as plan_lib
 import reward
 import tiny
 import ulorl
@@ -232,6 +232,7 @@ class Config:
                                   "wandb (offline unless WANDB_MODE=online), or both: 'tensorboard,wandb'",
                           ok=(lambda v: set(v.split(",")) <= {"none", "tensorboard", "wandb"},
                               "must be none, tensorboard, wandb or 'tensorboard,wandb'"))
+    plan: bool = flag(False, "print the memory plan (per trainer rank, per engine GPU, from config.json alone) and exit")
     dump_samples: int = flag(256, "samples.jsonl records per step (0: none)",
                              ok=at_least(0))
 
@@ -258,8 +259,9 @@ def parse_config(argv=None) -> Config:
     before any model or data loads; a wrong one stops the run with a message naming the flag."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Config):
-        p.add_argument("--" + f.name.replace("_", "-"), type=boolean if f.type is bool else f.type, default=f.default,
-                       help=f.metadata["help"], choices=f.metadata["choices"])
+        flag_kw = dict(type=boolean, nargs="?", const=True) if f.type is bool else dict(type=f.type)  # --pack = --pack true
+        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"],
+                       choices=f.metadata["choices"], **flag_kw)
     args = p.parse_args(argv)
     p.set_defaults(**PRESETS[args.preset])  # preset values, then whatever the command line says
     cfg = Config(**vars(p.parse_args(argv)))
@@ -291,14 +293,14 @@ def config_problems(cfg: Config) -> list[str]:
                    f"every ratio, DMMPT probability and entropy. Use them for evaluation (eval.py --top-p/--top-k)")
     if not (cfg.device == "cpu" or cfg.device == "cuda" or cfg.device.startswith("cuda:")):
         out.append(f"--device {cfg.device}: must be cpu, cuda or cuda:N")
-    elif cfg.device.startswith("cuda") and not torch.cuda.is_available():
+    elif cfg.device.startswith("cuda") and not torch.cuda.is_available() and not cfg.plan:  # planning needs no GPU
         out.append(f"--device {cfg.device}: this machine has no CUDA GPU that torch can use "
                    f"(torch {torch.__version__}, torch.cuda.is_available() is False); use --device cpu")
     if cfg.device.startswith("cuda") and cfg.rollout_mem > 1:
         out.append(f"--rollout-mem {cfg.rollout_mem}: on GPU it is the fraction of GPU memory vLLM may take, <= 1")
     if cfg.resume and cfg.overwrite:
         out.append(f"--resume {cfg.resume} and --overwrite say opposite things: continue the run, or start again")
-    for flag_name, spec in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
+    for flag_name, spec in (("--data", cfg.data), ("--eval-data", cfg.eval_data)) if not cfg.plan else ():
         if not spec:
             if flag_name == "--data":
                 out.append("--data is empty: name the training prompts (the ulorl and prorl presets leave them to "
@@ -383,6 +385,26 @@ def set_threads(requested: int, local_ranks: int) -> int:
     return requested
 
 
+def engine_shares_device(cfg: Config, world: int) -> bool:
+    """Whether the rollout engine's memory comes out of a trainer's device (no --rollout-gpus)."""
+    return not cfg.rollout_gpus
+
+
+def memory_plan(cfg: Config, world: int) -> plan_lib.Plan:
+    """plan.make_plan from the model's config.json alone (a hub name's from the Hugging Face cache or hub)."""
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.from_pretrained(cfg.model)
+    except OSError as e:
+        raise FileNotFoundError(f"--model {cfg.model}: no config.json to plan with ({e})") from None
+    for key, value in model_lib.yarn_overrides(config, cfg.rope_scaling_factor, cfg.rope_original_max_positions).items():
+        setattr(config, key, value)
+    gpus = [g for g in cfg.rollout_gpus.split(",") if g]
+    engine_ranks = cfg.rollout_tp or (int(gpus[0]) if len(gpus) == 1 else len(gpus)) or 1
+    vllm = engine_kind(cfg.engine, cfg.device) == "vllm"
+    return plan_lib.make_plan(plan_lib.Shape.of(config), cfg, world, engine_ranks, vllm)
+
+
 # ---------------------------------------------------------------------------------- steps 1-4: rollout
 
 class EngineFailure(RuntimeError):
@@ -437,17 +459,30 @@ def rollout_until_ready(engine, pools: Pools, rows, state: RunState, tokenizer, 
 
 # ------------------------------------------------------------------------- models, engine, evaluation
 
-def load_models(cfg: Config, resume_from: str | None, mixed: bool):
-    """(policy, reference or None, tokenizer), from the checkpoint when resuming. FSDP on GPU keeps fp32
-    master weights and computes in bf16 (model.wrap); elsewhere --dtype is the weights' dtype."""
-    dtype = "float32" if mixed else cfg.dtype
+def load_models(cfg: Config, resume_from: str | None, world: int):
+    """(policy, reference, lm, ref_lm, tokenizer): the modules the trainer calls (model.wrap; reference None
+    without a KL) and the Hugging Face models inside them, from the checkpoint when resuming. Under FSDP no rank
+    ever holds the whole model: each builds it on the meta device, shards it and reads only its own shards from
+    the checkpoint, a layer at a time (model.load_sharded). FSDP on GPU with --dtype bfloat16 keeps fp32 master
+    weights and computes in bf16; elsewhere --dtype is the weights' dtype."""
+    mixed = world > 1 and cfg.parallel == "fsdp" and cfg.dtype == "bfloat16" and cfg.device.startswith("cuda")
+    dtype, path = "float32" if mixed else cfg.dtype, resume_from or cfg.model
+    ref_path = os.path.join(resume_from, "reference") if resume_from else cfg.model
     yarn = (cfg.rope_scaling_factor, cfg.rope_original_max_positions, cfg.attn_implementation)
-    lm, tokenizer = model_lib.load(resume_from or cfg.model, dtype, cfg.device, cfg.gradient_checkpointing, *yarn)
-    ref_lm = None
+    ref = ref_lm = None
+    if world > 1 and cfg.parallel == "fsdp":
+        policy, lm, tokenizer = model_lib.load_sharded(path, dtype, cfg.device, cfg.gradient_checkpointing, *yarn,
+                                                       mixed_bf16=mixed)
+        if cfg.kl_coef > 0:
+            ref, ref_lm, _ = model_lib.load_sharded(ref_path, dtype, cfg.device, False, *yarn, trainable=False,
+                                                    mixed_bf16=mixed)
+        return policy, ref, lm, ref_lm, tokenizer
+    mode = cfg.parallel if world > 1 else "none"
+    lm, tokenizer = model_lib.load(path, dtype, cfg.device, cfg.gradient_checkpointing, *yarn)
     if cfg.kl_coef > 0:
-        ref_path = os.path.join(resume_from, "reference") if resume_from else cfg.model
         ref_lm = model_lib.load(ref_path, dtype, cfg.device, False, *yarn)[0].eval().requires_grad_(False)
-    return lm, ref_lm, tokenizer
+        ref = model_lib.wrap(ref_lm, mode, trainable=False)
+    return model_lib.wrap(lm, mode), ref, lm, ref_lm, tokenizer
 
 
 def rollout_engine(cfg: Config, lm, tokenizer, path: str, world: int):
@@ -457,7 +492,10 @@ def rollout_engine(cfg: Config, lm, tokenizer, path: str, world: int):
     join torchrun's process group and wait forever), on --rollout-gpus when given."""
     gpus = rollout_gpus(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     kind = engine_kind(cfg.engine, cfg.device)
-    return make_engine(kind, lm if world == 1 or kind != "hf" else copy.deepcopy(lm), tokenizer, cfg.seed, path=path,
+    if kind == "hf" and world > 1:  # the trainer's module is sharded: the engine samples with a whole copy
+        lm = model_lib.load(path, cfg.dtype, cfg.device, False, cfg.rope_scaling_factor,
+                            cfg.rope_original_max_positions, cfg.attn_implementation)[0]
+    return make_engine(kind, lm, tokenizer, cfg.seed, path=path,
                        max_model_len=min(cfg.max_prompt_len + cfg.max_response_len, lm.config.max_position_embeddings),
                        mem=cfg.rollout_mem, device=cfg.device, dtype=cfg.dtype,
                        hf_overrides=model_lib.yarn_overrides(lm.config, cfg.rope_scaling_factor,
@@ -616,11 +654,26 @@ def stop_on_signals(lead: bool, state: RunState) -> list[str]:
 
 def main(cfg: Config, engine_hook=None) -> None:
     """The run. `engine_hook(engine) -> engine` may wrap rank 0's rollout engine (bench.py counts its work)."""
+    if cfg.plan:  # for the WORLD_SIZE trainer ranks torchrun would start (1 without it); nothing is started
+        plan, world = memory_plan(cfg, int(os.environ.get("WORLD_SIZE", "1"))), int(os.environ.get("WORLD_SIZE", "1"))
+        if int(os.environ.get("RANK", "0")) == 0:
+            capacity = plan_lib.device_bytes(cfg.device)
+            print(plan.table(f"{world} trainer rank(s), {cfg.device}"), flush=True)
+            why = plan_lib.problems(plan, cfg, capacity, colocated=engine_shares_device(cfg, world))
+            print("verdict: " + ("; ".join(why) if why else f"fits in {capacity / 2**30:.1f} GiB" if capacity else
+                                 "this machine cannot say how much memory the device has: compare the totals"))
+            if capacity and plan.engine and not why:
+                print(f"vLLM holds ~{plan_lib.engine_concurrency(plan, capacity):.0f} samples at full context at once "
+                      f"per engine GPU; the rest of the batch queues")
+        return
     rank, world = setup_distributed(cfg)
     lead = rank == 0
     threads = set_threads(cfg.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if lead:
         print(json.dumps(dataclasses.asdict(cfg)), flush=True)
+    plan = memory_plan(cfg, world)
+    if why := plan_lib.problems(plan, cfg, plan_lib.device_bytes(cfg.device), colocated=engine_shares_device(cfg, world)):
+        raise ValueError("the run cannot fit (python train.py ... --plan shows the items):\n  " + "\n  ".join(why))
     resume_from = checkpoint.find_resume(cfg.resume, cfg.out, cfg.overwrite)  # --out is checked before loading
     if lead and cfg.overwrite and (gone := checkpoint.clear_run(cfg.out)):
         print(f"--overwrite: deleted {', '.join(gone)} from {cfg.out}", flush=True)
@@ -631,14 +684,12 @@ def main(cfg: Config, engine_hook=None) -> None:
     keys = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, default_verifier=cfg.default_verifier)
     rows = data.load_prompts(cfg.data, cfg.seed, **keys) if lead else []  # data before models: a bad row stops
     eval_rows = data.load_prompts(cfg.eval_data, cfg.seed, True, cfg.eval_n, **keys) if cfg.eval_data and lead else []
-    mixed = world > 1 and cfg.parallel == "fsdp" and cfg.dtype == "bfloat16" and cfg.device.startswith("cuda")
-    lm, ref_lm, tokenizer = load_models(cfg, resume_from, mixed)
+    host_before = plan_lib.reset_host_peak()
+    policy, ref, lm, ref_lm, tokenizer = load_models(cfg, resume_from, world)
+    load_peak = model_lib.all_max(plan_lib.host_peak() - host_before) / 2**20  # MiB, the largest rank's
     engine = rollout_engine(cfg, lm, tokenizer, resume_from or cfg.model, world) if lead else None
     if engine_hook is not None and engine is not None:
         engine = engine_hook(engine)
-    mode = cfg.parallel if world > 1 else "none"
-    policy = model_lib.wrap(lm, mode, mixed_bf16=mixed)
-    ref = model_lib.wrap(ref_lm, mode, trainable=False, mixed_bf16=mixed) if ref_lm is not None else None
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
     judge = eval_lib.load_judge(cfg.verifier_model, cfg.verifier_mode, cfg.verifier_max_tokens, cfg.dtype, cfg.device,
@@ -649,6 +700,7 @@ def main(cfg: Config, engine_hook=None) -> None:
                              engine=engine, pools=pools, state=state, cfg=cfg, git=git_hash())
     if resume_from:
         checkpoint.load(resume_from, opt, sched, engine, pools, state)
+    startup = {"memory/load_host_mib": load_peak, "memory/plan_trainer_mib": plan.trainer_total / 2**20}  # logged once
     if lead:
         if resume_from:
             print(f"resumed from {resume_from} at step {state.step}", flush=True)
@@ -659,7 +711,8 @@ def main(cfg: Config, engine_hook=None) -> None:
             ulorl.stalled(state, ev["eval/accuracy"], cfg.ref_reset_on_stall)  # the baseline to improve on
             print(f"step     0 | eval accuracy {ev['eval/accuracy']:.3f} (before training)", flush=True)
             rec = {"step": 0, "time/step_s": time.time() - t0, "reward/mean": None, "entropy/mean": None,
-                   "mpt/masked_frac": None, "rollout/unfinished": 0, "tokens/generated": 0, **ev}
+                   "mpt/masked_frac": None, "rollout/unfinished": 0, "tokens/generated": 0, **ev, **startup}
+            startup = {}
             write_record(metrics_file, {**rec, "git": git_hash(), "config": dataclasses.asdict(cfg)})
             trackers.log(rec)
     stop = stop_on_signals(lead, state)
@@ -686,6 +739,9 @@ def main(cfg: Config, engine_hook=None) -> None:
         if lead:
             engine.pause()  # vLLM sharing the trainer's GPU sleeps meanwhile
         m.update(ulorl.update(policy, ref, opt, sched, groups, state.version, tokenizer.pad_token_id, cfg))
+        m["memory/host_peak_mib"] = model_lib.all_max(plan_lib.host_peak() - host_before) / 2**20  # since loading
+        if cfg.device.startswith("cuda"):
+            m["memory/gpu_peak_mib"] = model_lib.all_max(torch.cuda.max_memory_allocated()) / 2**20
         ulorl.count_bad_steps(m, state, cfg, warn=lead)
         if m["train/optimizer_steps"]:
             state.version += 1
@@ -710,7 +766,8 @@ def main(cfg: Config, engine_hook=None) -> None:
                 ulorl.reset_reference(lm, ref_lm, opt, ref)
                 m["train/ref_reset"] = 1
         if lead:
-            m.update(step_metrics(step, groups, scored, t_roll, m))
+            m.update(step_metrics(step, groups, scored, t_roll, m), **startup)
+            startup = {}
             if cfg.dump_samples:
                 dump_samples(samples_file, groups, step, tokenizer, cfg.dump_samples)
             m["time/step_s"] = time.time() - t0

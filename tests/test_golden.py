@@ -21,7 +21,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden")
-SKIP = {"time/step_s", "time/rollout_s", "time/sync_s", "tokens/per_s", "git", "config"}
+SKIP = {"time/step_s", "time/rollout_s", "time/sync_s", "tokens/per_s", "git", "config"}  # and memory/*: measured
 RUNS = {"one": ([sys.executable], ["--steps", "5", "--eval-n", "128"]),
         "fsdp": ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
                  ["--steps", "5", "--parallel", "fsdp", "--eval-n", "64", "--kl-coef", "0.01", "--ref-reset-every", "2"])}
@@ -29,13 +29,15 @@ RUNS = {"one": ([sys.executable], ["--steps", "5", "--eval-n", "128"]),
 
 def records(path: str) -> list[dict]:
     with open(path) as f:
-        return [{k: v for k, v in json.loads(line).items() if k not in SKIP} for line in f if line.strip()]
+        return [{k: v for k, v in json.loads(line).items() if k not in SKIP and not k.startswith("memory/")}
+                for line in f if line.strip()]
 
 
-def same(a, b) -> bool:
-    """Equal, floats within 1e-4 relative: summation order inside BLAS kernels may differ on another CPU."""
+def same(a, b, key: str = "") -> bool:
+    """Equal, floats within 1e-4 relative: summation order inside BLAS kernels may differ on another CPU. The
+    engine-vs-trainer log-prob gap is itself rounding (1e-6..1e-5): any change of batch shapes moves it, so 1e-4 absolute."""
     if isinstance(a, float) and isinstance(b, float):
-        return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-7)
+        return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4 if key.startswith("rollout/logprob_diff") else 1e-7)
     return a == b and type(a) is type(b)
 
 
@@ -49,7 +51,7 @@ def test_first_steps_match_the_golden_record(name, tmp_path):
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for g, w in zip(got, want):
         assert g.keys() == w.keys(), (g["step"], g.keys() ^ w.keys())
-        diff = {k: (g[k], w[k]) for k in w if not same(g[k], w[k])}
+        diff = {k: (g[k], w[k]) for k in w if not same(g[k], w[k], k)}
         assert not diff, f"step {w['step']}: {diff}"
 
 

@@ -22,7 +22,7 @@ import checkpoint
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--steps", "8", "--save-every", "1", "--keep-last", "0", "--eval-n", "16", "--eval-every", "3",
         "--train-groups", "4", "--prompts-per-step", "4", "--max-response-len", "32", "--segments", "4"]
-TIMING = {"time/step_s", "time/rollout_s", "time/sync_s", "tokens/per_s", "config"}  # may differ (config: --out)
+TIMING = {"time/step_s", "time/rollout_s", "time/sync_s", "tokens/per_s", "config"}  # may differ (config: --out), as memory/* do
 
 
 def command(out, *extra):
@@ -39,7 +39,7 @@ def records(path):
 
 
 def without_timing(recs):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in recs]
+    return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("memory/")} for r in recs]
 
 
 def wait_for_step(out, step, proc, timeout=300):

@@ -1,0 +1,326 @@
+"""The memory plan: what a run needs per trainer GPU and per engine GPU, from the model's config.json alone,
+before anything loads (`python train.py ... --plan` prints it; every run checks it and stops when it cannot
+fit), and the measured peaks it is checked against (on CPU, host memory stands in for the device's).
+
+    WORLD_SIZE=6 python train.py --preset ulorl --model Qwen/Qwen3-30B-A3B --rollout-gpus 6,7 --plan
+
+(--plan needs no GPU and no data: WORLD_SIZE is the number of trainer ranks torchrun would start.)
+
+Per trainer rank (P parameters, sharded over the trainer ranks under FSDP, whole under DDP or one process;
+b = bytes of the trainer's dtype, fp32 master weights under FSDP's bf16 mixed precision):
+  weights, gradients      P x b each
+  AdamW                   2 x P x b (its two moments, in the parameters' dtype)
+  reference (KL only)     P x b
+  gathered                FSDP: the root's parameters (embeddings, lm_head) and two decoder layers (the one
+                          computing and the next, prefetched) in the compute dtype
+  activations             per decoder layer for T = --max-tokens-per-micro-batch tokens: kept for every layer
+                          (or, with --gradient-checkpointing, only each layer's input, plus one layer's
+                          activations while it is recomputed in the backward)
+  attention               with a mask (eager, or sdpa on CPU): heads x L x L scores for rows of L tokens
+                          (packed: L = T); flash attention keeps none
+  lm_head                 512 positions at a time: 4 x [512, V] fp32 (logits, log-softmax, probabilities,
+                          their gradient)
+Per engine GPU (vLLM, tensor-parallel over --rollout-tp): its weights / tp, and the KV cache of one sample
+and of the whole rollout batch (--prompts-per-step x --group-size samples) at full context (--max-prompt-len
++ --max-response-len). Weights and one sample must fit; vLLM queues the samples its KV cache cannot hold,
+which costs throughput, not the run. Sharing a trainer's GPU (no --rollout-gpus), vLLM sleeps during the
+update, and while it samples the trainer keeps its weights, gradients and AdamW moments.
+A decoder layer's activations: its inputs and norms (~8 H), q/k/v and their normed/rotated copies
+(~(3 nq + 5 nkv) D), attention output (nq D), the MLP's gate, up, activation and product (4 I; for a
+Mixture-of-Experts layer 4 K Im for the K experts each token visits, plus the routed copies of the hidden
+states, 2 K H): in the compute dtype; and one layer's worth again for the gradients the backward holds.
+"""
+import os
+from dataclasses import dataclass
+
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 2**30
+
+
+@dataclass
+class Shape:
+    """What the plan needs of a config.json (dense Qwen3-style or Mixture-of-Experts)."""
+    layers: int
+    hidden: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    experts: int = 0  # 0: dense
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    tied: bool = False
+
+    @classmethod
+    def of(cls, config) -> "Shape":
+        get = lambda *names, default=0: next((getattr(config, n) for n in names if getattr(config, n, None)), default)
+        heads = get("num_attention_heads")
+        experts = get("num_experts", "num_local_experts", "n_routed_experts")
+        return cls(layers=get("num_hidden_layers"), hidden=get("hidden_size"), vocab=get("vocab_size"), heads=heads,
+                   kv_heads=get("num_key_value_heads", default=heads),
+                   head_dim=get("head_dim", default=get("hidden_size") // max(heads, 1)),
+                   intermediate=get("intermediate_size"), experts=experts,
+                   experts_per_token=get("num_experts_per_tok", "top_k") if experts else 0,
+                   expert_intermediate=get("moe_intermediate_size") if experts else 0,
+                   tied=bool(getattr(config, "tie_word_embeddings", False)))
+
+    def layer_params(self) -> int:
+        attn = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * self.hidden
+        norms = 2 * self.hidden + 2 * self.head_dim
+        mlp = (self.experts * 3 * self.hidden * self.expert_intermediate + self.hidden * self.experts
+               if self.experts else 3 * self.hidden * self.intermediate)
+        return attn + norms + mlp
+
+    def root_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def params(self) -> int:
+        return self.layers * self.layer_params() + self.root_params()
+
+    def layer_activations(self, tokens: int) -> int:
+        """Numbers (not bytes) one decoder layer keeps for the backward, for `tokens` tokens."""
+        qkv = (3 * self.heads + 5 * self.kv_heads) * self.head_dim + self.heads * self.head_dim
+        mlp = (4 * self.experts_per_token * self.expert_intermediate + 2 * self.experts_per_token * self.hidden
+               + self.experts) if self.experts else 4 * self.intermediate
+        return tokens * (8 * self.hidden + qkv + mlp)
+
+
+@dataclass
+class Plan:
+    """Bytes per trainer rank and per engine GPU, item by item."""
+    trainer: dict
+    engine: dict
+
+    @property
+    def trainer_total(self) -> int:
+        return sum(self.trainer.values())
+
+    @property
+    def engine_total(self) -> int:
+        """Weights and the KV cache of the whole batch at full context (the KV cache of one sample is part of it)."""
+        return sum(v for k, v in self.engine.items() if k != "KV cache, 1 sample")
+
+    @property
+    def engine_minimum(self) -> int:
+        """Weights and one sample's KV cache at full context: less and vLLM cannot run the sample at all."""
+        return self.engine.get("weights", 0) + self.engine.get("KV cache, 1 sample", 0)
+
+    def table(self, title: str = "") -> str:
+        lines = [f"memory plan{f' ({title})' if title else ''}, per trainer rank:"]
+        lines += [f"  {k:<30}{v / GIB:9.3f} GiB" for k, v in self.trainer.items()]
+        lines.append(f"  {'total':<30}{self.trainer_total / GIB:9.3f} GiB")
+        if self.engine:
+            lines.append("per engine GPU (vLLM):")
+            lines += [f"  {k:<30}{v / GIB:9.3f} GiB" for k, v in self.engine.items()]
+            lines.append(f"  {'needed (weights, 1 sample)':<30}{self.engine_minimum / GIB:9.3f} GiB")
+            lines.append(f"  {'all samples at once':<30}{self.engine_total / GIB:9.3f} GiB")
+        return "\n".join(lines)
+
+
+def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> Plan:
+    """The plan of a run: `cfg` is train.py's Config, `world` the trainer ranks, `engine_ranks` the GPUs the
+    vLLM engine spans (`vllm`: whether it runs at all; the transformers engine shares the trainer's module)."""
+    mixed = world > 1 and cfg.parallel == "fsdp" and cfg.dtype == "bfloat16" and cfg.device.startswith("cuda")
+    b = BYTES["float32" if mixed else cfg.dtype]  # master weights, gradients, AdamW moments
+    c = BYTES[cfg.dtype]  # compute
+    shards = world if cfg.parallel == "fsdp" and world > 1 else 1
+    P = shape.params()
+    T = max(cfg.max_tokens_per_micro_batch, cfg.max_prompt_len + cfg.max_response_len)  # a longer sample goes alone
+    per_layer = shape.layer_activations(T) * c
+    # kept for the backward: every layer's activations, or (checkpointing) every layer's input plus the one
+    # layer recomputed; and, as the backward walks a layer, the gradients of its activations
+    kept = shape.layers * T * shape.hidden * c + per_layer if cfg.gradient_checkpointing else shape.layers * per_layer
+    activations = kept + per_layer
+    rows_len = T if cfg.pack else min(T, cfg.max_prompt_len + cfg.max_response_len)
+    attention = 0 if cfg.attn_implementation.startswith("flash") else \
+        shape.heads * rows_len * rows_len * c * (T // rows_len)
+    trainer = {"weights": P * b // shards, "gradients": P * b // shards, "AdamW moments": 2 * P * b // shards}
+    if cfg.kl_coef > 0:
+        trainer["reference"] = P * b // shards
+    if shards > 1:
+        trainer["gathered (FSDP)"] = (shape.root_params() + 2 * shape.layer_params()) * c
+    trainer.update({"activations": activations, "attention scores": attention,
+                    "lm_head chunks": 4 * 512 * shape.vocab * 4})
+    slots = cfg.prompts_per_step * cfg.group_size
+    kv_per_slot = 2 * shape.layers * shape.kv_heads * shape.head_dim * c * (cfg.max_prompt_len + cfg.max_response_len)
+    engine = {}
+    if vllm:  # vLLM queues what its KV cache cannot hold: the whole batch at full context is the ideal, not a must
+        engine = {"weights": P * c // engine_ranks, "KV cache, 1 sample": kv_per_slot // engine_ranks,
+                  f"KV cache, all {slots} samples": kv_per_slot * slots // engine_ranks}
+    else:  # the transformers engine samples on rank 0, beside the trainer: the batch's cache (<= 256 held-out rows),
+        # and under torchrun a whole copy of the model (the trainer's module is sharded or replicated)
+        trainer["rollout KV cache (rank 0)"] = kv_per_slot * max(slots, min(256, cfg.eval_n) if cfg.eval_data else 0)
+        if world > 1:
+            trainer["rollout model copy (rank 0)"] = P * c
+    return Plan(trainer, engine)
+
+
+def device_bytes(device: str) -> int | None:
+    """Memory of one device: a GPU's, or this machine's RAM for cpu; None when unknown."""
+    if device.startswith("cuda"):
+        import torch
+        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+def problems(plan: Plan, cfg, capacity: int | None, colocated: bool) -> list[str]:
+    """Why the plan cannot fit (empty when it can), with the flags that would help."""
+    if capacity is None:
+        return []
+    out = []
+    need = plan.trainer_total
+    if colocated and plan.engine:  # vLLM sleeps while the trainer works; while it samples, the trainer's state stays
+        state = sum(v for k, v in plan.trainer.items() if k in ("weights", "gradients", "AdamW moments", "reference"))
+        need = max(need, state + plan.engine_minimum)
+    if need > capacity:
+        help_ = ["more trainer GPUs (FSDP shards weights, gradients and AdamW)"]
+        if not plan.trainer.get("gathered (FSDP)"):
+            help_.append("--parallel fsdp under torchrun")
+        if plan.trainer["activations"] > capacity / 4:
+            help_.append("--gradient-checkpointing true" if not cfg.gradient_checkpointing
+                         else "a smaller --max-tokens-per-micro-batch")
+        if plan.trainer["attention scores"] > capacity / 8:
+            help_.append("--attn-implementation flash_attention_2")
+        out.append(f"the trainer needs {need / GIB:.1f} GiB per {'GPU' if cfg.device.startswith('cuda') else 'machine'}"
+                   f"{' (with the engine sharing it)' if colocated else ''}, more than its {capacity / GIB:.1f} GiB: "
+                   f"try {', '.join(help_)}")
+    if plan.engine and not colocated and plan.engine_minimum > capacity:
+        out.append(f"the vLLM engine needs {plan.engine_minimum / GIB:.1f} GiB per GPU for its weights and one sample's "
+                   f"KV cache at full context, more than {capacity / GIB:.1f} GiB: more --rollout-gpus / --rollout-tp")
+    return out
+
+
+def engine_concurrency(plan: Plan, capacity: int, mem_fraction: float = 0.9) -> float:
+    """How many samples vLLM can hold at full context at once in `mem_fraction` of a GPU (the rest queue)."""
+    return max(0.0, (capacity * mem_fraction - plan.engine["weights"]) / plan.engine["KV cache, 1 sample"])
+
+
+# --------------------------------------------------------------------------------------- measuring
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_host_peak() -> int:
+    """Start a new host-memory high-water mark (Linux /proc/self/clear_refs); returns the resident bytes now."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status_kib("VmRSS") * 1024
+
+
+def host_peak() -> int:
+    """This process's resident-memory high-water mark, in bytes, since the last reset_host_peak()."""
+    return _status_kib("VmHWM") * 1024
+
+
+
+# ----------------------------------------------------------------------------------------- checking
+
+def check(work: str, only: str = "") -> list[dict]:
+    """`python plan.py check`: the plan against the measured peak host memory (train.py's memory/* records:
+    the high-water mark above the resident memory before loading) of short runs on this CPU: the tiny
+    dense and Mixture-of-Experts models in one process and as 2 FSDP2 ranks, and a random dense model of
+    ~150M parameters. Prints one line per run and returns them."""
+    import json
+    import random
+    import subprocess
+    import sys
+
+    import tiny
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    tok = tiny.make_tokenizer()
+    models = {"tiny dense": tiny.CKPT}
+    for name, make in (("tiny MoE", lambda: tiny.make_moe_model(tok)),
+                       ("150M dense", lambda: Qwen3ForCausalLM(Qwen3Config(
+                           vocab_size=len(tok), hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=64, max_position_embeddings=256,
+                           tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id)))):
+        path = os.path.join(work, name.replace(" ", "_"))
+        if not os.path.exists(path):
+            make().save_pretrained(path)
+            tok.save_pretrained(path)
+        models[name] = path
+    data = os.path.join(work, "data.jsonl")  # rewards that vary for any model: at most 4 words
+    rng = random.Random(0)
+    with open(data, "w") as f:
+        for _ in range(200):
+            prompt = "+".join(str(rng.randint(1, 9)) for _ in range(rng.randint(2, 5))) + "="
+            f.write(json.dumps({"prompt": prompt, "answer": [{"type": "max_words", "n": 4}], "verifier": "ifeval"}) + "\n")
+    # smaller steps for the larger model, with micro-batches still full on each of 2 ranks (~700 tokens each)
+    small = ["--prompts-per-step", "8", "--group-size", "4", "--train-groups", "8", "--max-response-len", "32",
+             "--segments", "2", "--max-tokens-per-micro-batch", "512"]
+    cases = [("tiny dense", 1, []), ("tiny dense", 2, []), ("tiny MoE", 1, ["--data", data]),
+             ("tiny MoE", 2, ["--data", data]), ("150M dense", 1, ["--data", data, *small]),
+             ("150M dense", 2, ["--data", data, *small]),
+             ("150M dense", 1, ["--data", data, *small, "--gradient-checkpointing", "true"])]
+    rows = []
+    for name, ranks, flags in [c for c in cases if only in c[0]]:
+        ckpt = "--gradient-checkpointing" in flags
+        out = os.path.join(work, f"{name.replace(' ', '_')}_{ranks}{'_ckpt' if ckpt else ''}")
+        launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+                                       if ranks > 1 else [])
+        cmd = [*launcher, "train.py", "--model", models[name], "--steps", "3", "--eval-n", "64", "--dump-samples", "0",
+               "--dynamic-sampling", "false", "--out", out, "--overwrite", *flags]
+        proc = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name} x{ranks}: {proc.stderr[-2000:]}")
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            recs = [json.loads(line) for line in f]
+        first = next(r for r in recs if "memory/plan_trainer_mib" in r)  # logged once, with the first record
+        planned, measured = first["memory/plan_trainer_mib"], max(r["memory/host_peak_mib"] for r in recs[1:])
+        rows.append({"model": name, "ranks": ranks, "gradient_checkpointing": ckpt, "plan_mib": round(planned), "measured_mib": round(measured),
+                     "plan/measured": round(planned / measured, 3), "load_peak_mib": round(first["memory/load_host_mib"])})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def measure_load(model: str, whole: bool) -> dict:
+    """`torchrun ... plan.py load --model M [--whole]`: this rank's host-memory peak while loading the policy
+    for FSDP2, the way train.py does (sharded: meta device, shard, fill this rank's shards a layer at a
+    time), or (--whole) the way it did before: the whole model on every rank, then sharded."""
+    import torch.distributed as dist
+
+    import model as model_lib
+    dist.init_process_group("gloo")
+    before = reset_host_peak()
+    if whole:
+        lm = model_lib.load(model)[0]
+        model_lib.wrap(lm, "fsdp")
+    else:
+        lm = model_lib.load_sharded(model)[1]
+    params = sum(p.numel() for p in lm.parameters())
+    row = {"rank": dist.get_rank(), "ranks": dist.get_world_size(), "path": "whole" if whole else "sharded",
+           "params": params, "load_peak_mib": round((host_peak() - before) / 2**20)}
+    dist.destroy_process_group()
+    return row
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    import tempfile
+    p = argparse.ArgumentParser(description="the memory plan against measured peaks on CPU: `check` runs short "
+                                            "trainings; `load` (under torchrun) measures one rank's loading peak")
+    p.add_argument("command", choices=["check", "load"])
+    p.add_argument("--dir", default="", help="check: where the models and runs go (default: a temporary directory)")
+    p.add_argument("--only", default="", help="check: only the models whose name contains this (e.g. 150M)")
+    p.add_argument("--model", default="", help="load: the model directory")
+    p.add_argument("--whole", action="store_true", help="load: every rank loads the whole model, then shards")
+    args = p.parse_args()
+    if args.command == "load":
+        print(json.dumps(measure_load(args.model, args.whole)), flush=True)
+    else:
+        check(args.dir or tempfile.mkdtemp(prefix="ulorl_plan_"), args.only)

@@ -1,0 +1,167 @@
+"""Memory at scale, checked at tiny scale: the plan's parameter counts against real models, a run that cannot
+fit stopping before it loads anything, sharded loading under 2 FSDP2 ranks giving exactly the weights
+from_pretrained gives, and checkpoints written a layer at a time (several safetensors shards and an index)
+that transformers and vLLM load. The plan against measured peaks: test_distributed.py and `python plan.py check`.
+
+    python -m pytest tests/test_plan.py -q          # ~2 minutes on 2 cores; the vLLM part skips without vLLM
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+import model as model_lib
+import plan as plan_lib
+import tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_VLLM = __import__("importlib").util.find_spec("vllm") is not None
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("moe") / "model"
+    tok = tiny.make_tokenizer()
+    tiny.make_moe_model(tok).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_plan_counts_the_parameters_of_real_models(moe_dir):
+    """Shape.of(config).params() against the parameters transformers builds: dense with tied embeddings, and
+    Mixture-of-Experts with untied ones (the router and every expert counted)."""
+    for path in (tiny.CKPT, moe_dir):
+        lm = AutoModelForCausalLM.from_pretrained(path)
+        shape = plan_lib.Shape.of(lm.config)
+        assert shape.params() == sum(p.numel() for p in lm.parameters()), path
+        layer = sum(p.numel() for n, p in lm.named_parameters() if n.startswith("model.layers.0."))
+        assert shape.layer_params() == layer, path
+
+
+def huge_config(tmp_path):
+    """A config.json (and tokenizer) of a ~70B dense model, with no weights at all."""
+    d = tmp_path / "huge"
+    tok = tiny.make_tokenizer()
+    Qwen3Config(vocab_size=len(tok), hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_a_run_that_cannot_fit_stops_before_loading(tmp_path):
+    """The huge model has no weight files: had anything been loaded, the error would be a missing file. The
+    plan (--plan) prints its items, and the run stops with the total against this machine's memory."""
+    d = huge_config(tmp_path)
+    run = lambda *extra: subprocess.run([sys.executable, "train.py", "--model", str(d), "--eval-data", "",
+                                         "--out", str(tmp_path / "out"), "--engine", "hf", *extra],
+                                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    shown = run("--plan")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "AdamW moments" in shown.stdout and "activations" in shown.stdout
+    weights_gib = float(next(line.split()[-2] for line in shown.stdout.splitlines() if line.strip().startswith("weights")))
+    P = plan_lib.Shape.of(Qwen3Config.from_pretrained(d)).params()
+    assert abs(weights_gib - P * 4 / 2**30) < 0.01  # fp32 on CPU
+    stopped = run()
+    assert stopped.returncode == 1
+    assert "cannot fit" in stopped.stderr and "GiB" in stopped.stderr and "more than its" in stopped.stderr
+    assert "safetensors" not in stopped.stderr and not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_plan_items_follow_the_flags(tmp_path):
+    """Sharding divides weights, gradients and AdamW by the trainer ranks; checkpointing keeps only each
+    layer's input; flash attention keeps no scores; a vLLM engine's weights split over --rollout-tp."""
+    import train
+    shape = plan_lib.Shape.of(Qwen3Config.from_pretrained(huge_config(tmp_path)))
+    base = ["--model", "x", "--eval-data", "", "--max-tokens-per-micro-batch", "8192", "--max-response-len", "8000"]
+    one = plan_lib.make_plan(shape, train.parse_config(base), 1, 1, False)
+    eight = plan_lib.make_plan(shape, train.parse_config(base + ["--parallel", "fsdp"]), 8, 1, False)
+    assert eight.trainer["AdamW moments"] == one.trainer["AdamW moments"] // 8 == 2 * shape.params() * 4 // 8
+    ckpt = plan_lib.make_plan(shape, train.parse_config(base + ["--gradient-checkpointing", "true"]), 1, 1, False)
+    assert ckpt.trainer["activations"] < one.trainer["activations"] / 10
+    flash = plan_lib.make_plan(shape, train.parse_config(base + ["--attn-implementation", "flash_attention_2"]), 1, 1, False)
+    assert flash.trainer["attention scores"] == 0 < one.trainer["attention scores"]
+    cfg = train.parse_config(base)
+    assert plan_lib.make_plan(shape, cfg, 1, 4, True).engine["weights"] == shape.params() * 4 // 4
+
+
+def test_plan_is_within_a_quarter_of_the_measured_peak(moe_dir, tmp_path):
+    """Two steps of the tiny default (micro-batches full, as the plan assumes) on the dense and the MoE model:
+    the plan's per-rank total against the host-memory high-water mark from before loading to the end of the
+    step (train.py's memory/* records; on CPU host memory is the device's)."""
+    data = tmp_path / "data.jsonl"  # a reward a random model sometimes earns: at most 4 words
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}=", "answer": [{"type": "max_words", "n": 4}],
+                                        "verifier": "ifeval"}) + "\n" for i in range(100)))
+    for name, extra in (("dense", []), ("moe", ["--model", str(moe_dir), "--data", str(data)])):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "train.py", "--steps", "2", "--eval-n", "64", "--dump-samples", "0",
+                               "--dynamic-sampling", "false", "--out", str(out), *extra], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        planned = next(r["memory/plan_trainer_mib"] for r in recs if "memory/plan_trainer_mib" in r)
+        measured = max(r["memory/host_peak_mib"] for r in recs if "memory/host_peak_mib" in r)
+        assert abs(planned / measured - 1) < 0.25, (name, planned, measured)
+
+
+def test_sharded_loading_gives_the_pretrained_weights(moe_dir):
+    """Two FSDP2 ranks build the model on the meta device and fill their shards from the checkpoint; gathered,
+    every parameter and buffer equals from_pretrained's (dense tied, and MoE whose per-expert tensors on disk
+    become transformers' fused ones)."""
+    for path in (tiny.CKPT, moe_dir):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               __file__, str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        assert proc.stdout.count("equal") == 1, proc.stdout
+
+
+def test_streamed_checkpoint_loads_in_transformers(moe_dir, tmp_path):
+    """Written a layer at a time into shards of at most 200 kB: several files and an index, each tensor in
+    the first file with room; from_pretrained gives back exactly the model that was saved."""
+    lm = AutoModelForCausalLM.from_pretrained(moe_dir)
+    model_lib.save_weights(lm, model_lib.hf_weights(lm), tiny.make_tokenizer(), str(tmp_path / "ckpt"), 200_000)
+    index = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert all((tmp_path / "ckpt" / f).stat().st_size <= 200_000 + 50_000 for f in files[:-1])  # + header
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    want = dict(lm.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in again.named_parameters())
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_streamed_checkpoint_loads_in_vllm(tmp_path):
+    """The same sharded layout through vLLM's loader: eval.py on it gives the same greedy answers as on the
+    single-file original."""
+    lm = AutoModelForCausalLM.from_pretrained(tiny.CKPT)
+    model_lib.save_weights(lm, model_lib.hf_weights(lm), tiny.make_tokenizer(), str(tmp_path / "ckpt"), 1_000_000)
+    assert (tmp_path / "ckpt" / "model.safetensors.index.json").exists()
+    answers = []
+    for path in (tiny.CKPT, tmp_path / "ckpt"):
+        report = tmp_path / f"{len(answers)}.json"
+        proc = subprocess.run([sys.executable, "eval.py", "--model", str(path), "--engine", "vllm", "--n-problems",
+                               "16", "--k", "1", "--temperature", "1e-5", "--report", str(report)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        answers.append([(p["answers"], p["lengths"]) for p in json.loads(report.read_text())["per_problem"]])
+    assert answers[0] == answers[1]
+
+
+if __name__ == "__main__":  # one rank of test_sharded_loading_gives_the_pretrained_weights
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    path = sys.argv[1]
+    lm = model_lib.load_sharded(path)[1]
+    want = AutoModelForCausalLM.from_pretrained(path)
+    params, buffers = dict(want.named_parameters()), dict(want.named_buffers())
+    bad = [n for n, p in lm.named_parameters() if not torch.equal(model_lib.full_tensor(p).detach(), params[n])]
+    bad += [n for n, b in lm.named_buffers() if not torch.equal(b, buffers[n])]
+    assert lm.named_parameters() and not bad, bad
+    if dist.get_rank() == 0:
+        print("equal")
+    dist.destroy_process_group()
