@@ -52,22 +52,32 @@ def load_config(name_or_path: str, rope_scaling_factor: float = 0.0, rope_origin
     with the YaRN flags applied (yarn_overrides) and a Mixture-of-Experts model's router auxiliary loss off
     (output_router_logits False): RL's loss is the policy's alone, and the trainer's forward
     (response_logprobs) runs the decoder without it."""
-    if is_local_path(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
-        raise FileNotFoundError(f"--model {name_or_path}: no such directory")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-        config = AutoConfig.from_pretrained(name_or_path)
-    except OSError as e:
-        offline = " (HF_HUB_OFFLINE is set: only the local cache is searched)" if os.environ.get("HF_HUB_OFFLINE") else ""
-        raise FileNotFoundError(f"--model {name_or_path}: neither a local directory nor a model the Hugging Face "
-                                f"hub or cache has{offline}: {e}") from None
+    tokenizer = hub_files(name_or_path, AutoTokenizer.from_pretrained)
     if tokenizer.pad_token_id is None:  # base models often lack one; it is only used as padding here
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, model_config(name_or_path, rope_scaling_factor, rope_original_max_positions)
+
+
+def model_config(name_or_path: str, rope_scaling_factor: float = 0.0, rope_original_max_positions: int = 0):
+    """The config.json alone (what train.py --plan reads), with load_config's YaRN and router settings."""
+    config = hub_files(name_or_path, AutoConfig.from_pretrained)
     for key, value in yarn_overrides(config, rope_scaling_factor, rope_original_max_positions).items():
         setattr(config, key, value)  # what vLLM does with hf_overrides
     if hasattr(config, "output_router_logits"):
         config.output_router_logits = False
-    return tokenizer, config
+    return config
+
+
+def hub_files(name_or_path: str, load):
+    """load(name_or_path), with one clear error when neither a directory nor the hub/cache has it."""
+    if is_local_path(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
+        raise FileNotFoundError(f"--model {name_or_path}: no such directory")
+    try:
+        return load(name_or_path)
+    except OSError as e:
+        offline = " (HF_HUB_OFFLINE is set: only the local cache is searched)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise FileNotFoundError(f"--model {name_or_path}: neither a local directory nor a model the Hugging Face "
+                                f"hub or cache has{offline}: {e}") from None
 
 
 def load(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradient_checkpointing: bool = False,

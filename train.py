@@ -392,13 +392,7 @@ def engine_shares_device(cfg: Config, world: int) -> bool:
 
 def memory_plan(cfg: Config, world: int) -> plan_lib.Plan:
     """plan.make_plan from the model's config.json alone (a hub name's from the Hugging Face cache or hub)."""
-    from transformers import AutoConfig
-    try:
-        config = AutoConfig.from_pretrained(cfg.model)
-    except OSError as e:
-        raise FileNotFoundError(f"--model {cfg.model}: no config.json to plan with ({e})") from None
-    for key, value in model_lib.yarn_overrides(config, cfg.rope_scaling_factor, cfg.rope_original_max_positions).items():
-        setattr(config, key, value)
+    config = model_lib.model_config(cfg.model, cfg.rope_scaling_factor, cfg.rope_original_max_positions)
     gpus = [g for g in cfg.rollout_gpus.split(",") if g]
     engine_ranks = cfg.rollout_tp or (int(gpus[0]) if len(gpus) == 1 else len(gpus)) or 1
     vllm = engine_kind(cfg.engine, cfg.device) == "vllm"
