@@ -27,6 +27,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
 import model as model_lib
 
@@ -95,12 +96,33 @@ def process_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-class HFEngine:
-    """Samples with the trainer's module itself, batched, left-padded, with a KV cache."""
+BUCKET_FILL = 0.75  # a prefill bucket's rows are all >= this fraction of its widest: <= 25% of it is padding
 
-    def __init__(self, model, stop_ids: list[int], pad_id: int, seed: int = 0):
+
+def length_buckets(lengths: list[int], fill: float = BUCKET_FILL) -> list[list[int]]:
+    """Row indices grouped for prefill: longest first, a new group whenever a row is shorter than `fill` x the
+    group's widest. A continued sample re-sends prompt + response (up to the whole response cap) beside new
+    prompts of a few tokens; left-padding them all to the widest computes mostly padding."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] >= fill * lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+class HFEngine:
+    """Samples with the trainer's module itself, batched, left-padded, with a KV cache. `bucket`: prefill rows
+    of similar context length together (length_buckets) and merge their caches for one decode loop; off,
+    the whole batch is prefilled left-padded to its widest row. Tokens are the same either way (keyed draws)."""
+
+    def __init__(self, model, stop_ids: list[int], pad_id: int, seed: int = 0, bucket: bool = True):
         self.model, self.stop_ids, self.pad_id, self.seed = model, torch.tensor(stop_ids), pad_id, seed
+        self.bucket = bucket
         self.generator = torch.Generator().manual_seed(seed)  # only for requests sent without keys
+        self.prefill_tokens = 0  # rows x width of every prefill forward, padding included (bench.py reads it)
 
     def update_weights(self, lm) -> None:
         """The trainer's module `lm`. Sharing it (one process), there is nothing to copy; a copy of the model
@@ -124,6 +146,40 @@ class HFEngine:
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
 
+    def left_padded(self, prompts: list[list[int]], width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, attention mask), both [B, width]: left padding, so every row's next token is at the same column."""
+        ids = torch.full((len(prompts), width), self.pad_id, device=device)
+        attn = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, device=device)
+            attn[i, width - len(p):] = 1
+        return ids, attn
+
+    def prefill(self, prompts: list[list[int]], width: int, device):
+        """Forward every prompt: (last-position logits [B, V], KV cache of width `width`). Bucketed, each group of
+        similar lengths runs padded to its own widest, and its cache is left-padded with zeros to `width` (the
+        attention mask hides those columns) and joined back in request order."""
+        groups = length_buckets([len(p) for p in prompts]) if self.bucket else [list(range(len(prompts)))]
+        logits, parts = [None] * len(prompts), []
+        for rows in groups:
+            w = max(len(prompts[i]) for i in rows)
+            ids, attn = self.left_padded([prompts[i] for i in rows], w, device)
+            out = self.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0),
+                             use_cache=True)  # positions count real tokens only
+            self.prefill_tokens += len(rows) * w
+            for j, i in enumerate(rows):
+                logits[i] = out.logits[j, -1]
+            parts.append((rows, out.past_key_values))
+        if len(parts) == 1:
+            return torch.stack(logits), parts[0][1]
+        inverse = torch.tensor([i for rows, _ in parts for i in rows], device=device).argsort()
+        layers = []
+        for layer in range(len(parts[0][1].layers)):  # each layer's keys and values: [rows, kv heads, w, head dim]
+            kv = [[torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0)) for t in
+                   (cache.layers[layer].keys, cache.layers[layer].values)] for _, cache in parts]
+            layers.append((torch.cat([k for k, _ in kv])[inverse], torch.cat([v for _, v in kv])[inverse]))
+        return torch.stack(logits), DynamicCache(layers, config=self.model.config)
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,
                  keys: list[int] | None = None) -> list[Generation]:
@@ -134,13 +190,8 @@ class HFEngine:
         model, device = self.model, next(self.model.parameters()).device
         was_training = model.training
         model.eval()
-        B, width = len(prompts), max(map(len, prompts))
-        ids = torch.full((B, width), self.pad_id, device=device)
-        attn = torch.zeros((B, width), dtype=torch.long, device=device)
-        for i, p in enumerate(prompts):  # left padding, so every row's next token is at the same column
-            ids[i, width - len(p):] = torch.tensor(p, device=device)
-            attn[i, width - len(p):] = 1
-        pos = (attn.cumsum(1) - 1).clamp(min=0)  # positions count real tokens only
+        B, width = len(prompts), max(lengths)
+        attn = self.left_padded(prompts, width, device)[1]
         budget = torch.tensor(max_tokens, device=device)
         stop_ids = self.stop_ids.to(device)
         out_tokens = torch.zeros((B, max(max_tokens)), dtype=torch.long, device=device)
@@ -148,14 +199,17 @@ class HFEngine:
         n_out = torch.zeros(B, dtype=torch.long, device=device)
         active = budget > 0
         stopped = torch.zeros(B, dtype=torch.bool, device=device)
-        cache, step_ids, step_pos = None, ids, pos
+        logits, cache = self.prefill(prompts, width, device) if active.any() else (None, None)
+        step_pos = torch.tensor(lengths, device=device)[:, None]  # the next token's position: real tokens so far
         for t in range(max(max_tokens)):
             if not active.any():
                 break
-            out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, past_key_values=cache,
-                        use_cache=True)
-            cache = out.past_key_values
-            logp = process_logits(out.logits[:, -1], sampling)  # [B, V]
+            if t > 0:  # the token drawn last step goes in; the prefill gave step 0's logits
+                out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=step_pos, past_key_values=cache,
+                            use_cache=True)
+                cache, logits = out.past_key_values, out.logits[:, -1]
+                step_pos = step_pos + 1
+            logp = process_logits(logits, sampling)  # [B, V]
             u = uniforms(self.seed, keys, [n + t for n in lengths])  # position of the token being drawn
             tok = sample_tokens(logp, u)  # [B]
             tok = torch.where(active, tok, self.pad_id)
@@ -165,8 +219,6 @@ class HFEngine:
             hit_stop = active & torch.isin(tok, stop_ids)
             stopped |= hit_stop
             active &= ~hit_stop & (n_out < budget)
-            step_ids = tok[:, None]
-            step_pos = step_pos[:, -1:] + 1
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
         if was_training:
             model.train()

@@ -129,3 +129,38 @@ def test_keyed_draws_ignore_batch_and_segments(tok, lm):
     other_seed = HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=5).generate(prompts, [24] * 16, sampling,
                                                                                      keys=keys)
     assert [g.tokens for g in other_seed] != [g.tokens for g in whole]
+
+
+def test_length_buckets_by_hand():
+    """Longest first; a row joins the current group while it is >= 3/4 of the group's widest."""
+    assert engine_lib.length_buckets([4, 40, 31, 5, 29, 3, 60]) == [[6], [1, 2], [4], [3, 0], [5]]
+    assert engine_lib.length_buckets([7, 7, 7]) == [[0, 1, 2]]
+    groups = engine_lib.length_buckets([1 + (i * 37) % 90 for i in range(200)])
+    assert sorted(i for g in groups for i in g) == list(range(200))
+    lengths = [1 + (i * 37) % 90 for i in range(200)]
+    assert all(min(lengths[i] for i in g) >= 0.75 * max(lengths[i] for i in g) for g in groups)
+
+
+def test_bucketed_prefill_changes_nothing_but_the_padding(tok, lm):
+    """Continued samples (long contexts) beside new prompts: prefilling them in length buckets and merging
+    the caches gives the same tokens, and log-probs within the padding's rounding, as one left-padded
+    prefill of the whole batch, while computing fewer prefill positions."""
+    sampling = Sampling(1.0)
+    short = [ids(tok, p) for p in PROMPTS * 3]
+    eng = HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=6)
+    long = [p + g.tokens for p, g in zip(short, eng.generate(short, [40] * len(short), sampling,
+                                                             keys=list(range(len(short)))))]
+    batch = [x for pair in zip(short, long) for x in pair]  # interleaved: buckets must be put back in order
+    keys, budgets = list(range(500, 500 + len(batch))), [30] * len(batch)
+    padded = HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=6, bucket=False)
+    bucketed = HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=6, bucket=True)
+    a = padded.generate(batch, budgets, sampling, keys=keys)
+    b = bucketed.generate(batch, budgets, sampling, keys=keys)
+    assert [(g.tokens, g.finish) for g in a] == [(g.tokens, g.finish) for g in b]
+    assert max(abs(x - y) for ga, gb in zip(a, b) for x, y in zip(ga.logprobs, gb.logprobs)) < TOL
+    assert sum(len(g.tokens) for g in a) > 100 and len({len(p) for p in batch}) > 6
+    assert len(engine_lib.length_buckets([len(p) for p in batch])) > 2
+    assert bucketed.prefill_tokens < 0.7 * padded.prefill_tokens == 0.7 * len(batch) * max(map(len, batch))
+    for i in (1, 4, 9):  # against the naive recomputation too (no padding, no cache)
+        for x, lp, d in zip(b[i].tokens, b[i].logprobs, naive_dists(lm, batch[i], b[i].tokens, sampling)):
+            assert abs(lp - d[x]) < TOL
