@@ -27,6 +27,7 @@ slot busy until the last row stops. For vLLM's continuous batching the number is
 """
 import argparse
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -62,6 +63,7 @@ class CountingEngine:
         self.counts["decode_steps"] += max(n, default=0)
         self.counts["calls"] += 1
         self.counts["prefill"] += len(prompts) * max(map(len, prompts), default=0)  # left-padded context
+        CALLS.append(([len(p) for p in prompts], n))  # the batch's composition, for the GPU cost model
         return gens
 
     def __getattr__(self, name):
@@ -69,6 +71,7 @@ class CountingEngine:
 
 
 COUNTS = {"tokens": 0, "slots": 0, "decode_steps": 0, "calls": 0, "prefill": 0, "generate_s": 0.0}  # per variant
+CALLS: list = []  # (context lengths, generated lengths) of every engine call
 
 
 @functools.cache
@@ -81,7 +84,7 @@ def load_train():
     return train
 
 
-def run_chunk(flags: list[str], out: str, steps: int, log) -> list[dict]:
+def run_chunk(flags: list[str], out: str, steps: int, log, bucket: bool = True) -> list[dict]:
     """Advance the run in `out` to `steps` steps (resuming from its newest checkpoint) and return the
     metrics.jsonl records of the steps it ran. train.py's own stdout goes to `log`."""
     train = load_train()
@@ -92,9 +95,24 @@ def run_chunk(flags: list[str], out: str, steps: int, log) -> list[dict]:
             done = max((json.loads(line)["step"] for line in f if line.strip()), default=0)
     cfg = train.parse_config(flags + ["--out", out, "--steps", str(steps), "--resume", "auto"])
     with contextlib.redirect_stdout(log):
-        train.main(cfg, engine_hook=lambda engine: CountingEngine(engine, COUNTS))
+        train.main(cfg, engine_hook=lambda engine: CountingEngine(unbucketed(engine, bucket), COUNTS))
     with open(path) as f:
         return [r for r in map(json.loads, filter(str.strip, f)) if r["step"] > done]
+
+
+def bucketed_prefill(call) -> int:
+    """Prefill positions (rows x width, padding included) of one recorded call under engine.length_buckets."""
+    from engine import length_buckets
+    contexts = call[0]
+    return sum(len(g) * max(contexts[i] for i in g) for g in length_buckets(contexts))
+
+
+def unbucketed(engine, bucket: bool):
+    """The transformers engine with length-bucketed prefill turned off (bucket False): every call left-pads
+    its whole batch to the widest context."""
+    if not bucket:
+        engine.bucket = False
+    return engine
 
 
 def controlled_data(path: str, n: int, seed: int, long_frac: float = 0.1) -> str:
@@ -137,6 +155,138 @@ def rotate(xs: list, r: int) -> list:
     return xs[r % len(xs):] + xs[:r % len(xs)]
 
 
+# ------------------------------------------------------------------ segments on a GPU: a cost model
+
+@dataclasses.dataclass
+class GPUCost:
+    """The time of one rollout call (one engine.generate) on a GPU: a MODEL, not a measurement.
+    Decoding is memory-bound: a decode step reads, from HBM, the weights every token uses (attention, norms,
+    router, lm_head), the experts its rows route to (a layer's E experts, k per token: E (1 - (1 - k/E)^n)
+    of them for n rows) and every active row's KV cache; its time is those bytes / HBM bandwidth, or the
+    FLOPs 2 x active parameters x n over peak, when larger. Prefill (the whole context again for a continued
+    sample: the engine receives prompt + response so far) is compute-bound: 2 x active parameters x tokens
+    over peak x `prefill_mfu`. Inside a call the engine batches continuously: rows queue in order and start
+    when their whole context fits the KV budget (memory left after the weights), so a long sample never
+    stops the others from starting, while rows finishing early leave the batch (and the weights' cost) to the
+    rest. Defaults: Qwen3-30B-A3B (48 layers, hidden 2048, 32/4 heads of 128, 128 experts of 768, top-8,
+    vocabulary 151,936) in bf16 on one H200 (141 GB, 4.8 TB/s, 989 TFLOPS dense bf16)."""
+    name: str = "Qwen3-30B-A3B, bf16, one H200"
+    layers: int = 48
+    shared_bytes: float = 2 * (48 * (2048 * 5120 + 4096 * 2048 + 2048 * 128 + 4 * 2048) + 151936 * 2048)
+    expert_bytes: float = 2 * 3 * 2048 * 768  # one expert of one layer
+    experts: int = 128
+    top_k: int = 8
+    kv_bytes_per_token: float = 2 * 48 * 4 * 128 * 2  # keys and values, 48 layers, 4 KV heads of 128, bf16
+    memory: float = 141e9
+    hbm_bytes_per_s: float = 4.8e12
+    flops: float = 989e12
+    prefill_mfu: float = 0.5
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.shared_bytes + self.layers * self.experts * self.expert_bytes
+
+    @property
+    def active_params(self) -> float:
+        return (self.shared_bytes + self.layers * self.top_k * self.expert_bytes) / 2
+
+    def step_seconds(self, n: int, kv_tokens: float) -> float:
+        """One decode step of n rows holding kv_tokens tokens of KV cache in all."""
+        touched = self.experts * (1 - (1 - self.top_k / self.experts) ** n)
+        read = self.shared_bytes + self.layers * touched * self.expert_bytes + kv_tokens * self.kv_bytes_per_token
+        return max(read / self.hbm_bytes_per_s, 2 * self.active_params * n / self.flops)
+
+    def call_seconds(self, contexts: list[float], generated: list[float]) -> float:
+        """A call's time: prefill of every row's context, then continuous-batched decoding (see the class)."""
+        budget = 0.9 * self.memory - self.weight_bytes  # KV cache tokens the engine can hold
+        budget /= self.kv_bytes_per_token
+        t = 2 * self.active_params * sum(contexts) / (self.flops * self.prefill_mfu)
+        queue = sorted(range(len(contexts)), reverse=True)  # pop() takes rows in order
+        active: dict[int, float] = {}  # row -> tokens generated so far
+        reserved = 0.0
+        while queue or active:
+            while queue and (not active or reserved + contexts[queue[-1]] + generated[queue[-1]] <= budget):
+                i = queue.pop()
+                active[i] = 0.0
+                reserved += contexts[i] + generated[i]
+            d = min(generated[i] - g for i, g in active.items())  # tokens until the next row finishes
+            n = len(active)
+            if d > 0:  # n rows decode d tokens; their KV grows by n a step: sum over steps in closed form
+                kv0 = sum(contexts[i] + g for i, g in active.items())
+                touched = self.step_seconds(n, 0) * d  # weights and experts, d steps
+                kv = (d * kv0 + n * d * (d - 1) / 2) * self.kv_bytes_per_token / self.hbm_bytes_per_s
+                t += max(touched + kv, 2 * self.active_params * n * d / self.flops)
+            for i in list(active):
+                active[i] += d
+                if active[i] >= generated[i]:
+                    del active[i]
+                    reserved -= contexts[i] + generated[i]
+        return t
+
+
+class LengthEngine:
+    """A stand-in engine for the cost model's replay at the paper's scale: every sample's response length is
+    drawn once (from `length(uid)`, in units of `unit` tokens) and the engine returns that many tokens, a
+    segment at a time. The scheduling around it (segment_rollout.rollout_step, the pools) is the real one."""
+
+    def __init__(self, length, calls: list):
+        self.length, self.calls = length, calls
+
+    def generate(self, prompts, max_tokens, sampling, keys):
+        from engine import Generation
+        out = []
+        for p, budget, uid in zip(prompts, max_tokens, keys):
+            left = self.length(uid) - (len(p) - 4)  # 4 units of prompt
+            n = min(budget, left)
+            out.append(Generation([1] * n, [0.0] * n, "stop" if n == left else "length"))
+        self.calls.append(([len(p) for p in prompts], [len(g.tokens) for g in out]))
+        return out
+
+
+def simulate_segments(segments: int, length, cap: int, prompts: int, group: int, train_groups: int,
+                      steps: int, warmup: int) -> tuple[list, int]:
+    """train.py's rollout loop (rounds until --train-groups complete groups are ready, the batch topped up
+    with new prompts to prompts x group rows) with LengthEngine: (the calls of the steps after `warmup`, the
+    samples those steps train). Lengths in units: `cap` units per response, prompts of 4."""
+    from segment_rollout import Pools, rollout_step
+    pools, ready, calls, trained = Pools(), [], [], 0
+    eng = LengthEngine(length, [])
+    for step in range(warmup + steps):
+        rounds = 0
+        while rounds == 0 or len(ready) < train_groups:
+            free = prompts * group - len(pools.unfinished)
+            new = [pools.new_group([0] * 4, {}, group) for _ in range(0 if len(ready) >= train_groups else free // group)]
+            rollout_step(eng, pools, new, cap // segments, cap, None, 0)
+            ready += [pools.pop_group(g[0].group) for g in pools.ready_groups(group)]
+            rounds += 1
+        ready = ready[train_groups:]
+        if step >= warmup:
+            calls += eng.calls
+            trained += train_groups * group
+        eng.calls = []
+    return calls, trained
+
+
+def long_tail(seed: int, cap: int, median: float, sigma: float):
+    """length(uid): a lognormal response length (`median`, `sigma` of its log) in units, cut at `cap`."""
+    import math
+    import random
+
+    def length(uid: int) -> int:
+        r = random.Random(seed * 1_000_003 + uid)
+        return max(1, min(cap, round(median * math.exp(sigma * r.gauss(0, 1)))))
+    return length
+
+
+def predicted_speedups(cost: GPUCost, runs: dict, unit: float) -> dict:
+    """{segments: predicted trained samples per GPU-second, relative to the first} for `runs` = {segments:
+    (calls, trained samples)}, every length multiplied by `unit` tokens."""
+    rate = {s: trained / sum(cost.call_seconds([c * unit for c in ctx], [g * unit for g in gen]) for ctx, gen in calls)
+            for s, (calls, trained) in runs.items()}
+    first = next(iter(rate.values()))
+    return {s: r / first for s, r in rate.items()}
+
+
 # ------------------------------------------------------------------------------------------ segments
 
 def bench_segments(args, train_flags: list[str]) -> dict:
@@ -145,10 +295,11 @@ def bench_segments(args, train_flags: list[str]) -> dict:
     base = ["--eval-data", "", "--dump-samples", "0", "--save-every", "0", "--keep-last", "1", "--seed", str(args.seed)]
     if args.task == "controlled":
         base += ["--data", controlled_data(os.path.join(work, "controlled.jsonl"), 20_000, args.seed)]
-    variants = [int(s) for s in args.segments.split(",")]
+    variants = args.segments.split(",")  # "4u": 4 segments, the transformers engine's prefill not bucketed
     recs = {s: [] for s in variants}
     counts = {s: dict.fromkeys(COUNTS, 0) for s in variants}
     by_round = {s: [] for s in variants}  # mean reward of each measured round
+    calls = {s: [] for s in variants}  # the measured rounds' engine calls
     log = open(os.path.join(work, "train_stdout.log"), "a")
     print(f"segments bench in {work}: variants {variants}, warm-up {args.warmup} steps, then {args.rounds} "
           f"rounds x {args.chunk} steps, torch threads {torch.get_num_threads()}", flush=True)
@@ -156,10 +307,12 @@ def bench_segments(args, train_flags: list[str]) -> dict:
     for r in range(args.rounds + 1):  # round 0 = warm-up, not measured
         target = args.warmup + r * args.chunk
         for s in rotate(variants, r):
-            before = dict(COUNTS)
-            got = run_chunk(base + train_flags + ["--segments", str(s)], os.path.join(work, f"seg{s}"), target, log)
+            before, first_call = dict(COUNTS), len(CALLS)
+            got = run_chunk(base + train_flags + ["--segments", s.rstrip("u")], os.path.join(work, f"seg{s}"), target,
+                            log, bucket=not s.endswith("u"))
             if r == 0:
                 continue
+            calls[s] += CALLS[first_call:]
             recs[s] += got
             for k in COUNTS:
                 counts[s][k] += COUNTS[k] - before[k]
@@ -179,6 +332,7 @@ def bench_segments(args, train_flags: list[str]) -> dict:
                    "decode_steps_per_step": counts[s]["decode_steps"] / len(rs),
                    "engine_calls_per_step": counts[s]["calls"] / len(rs),
                    "prefill_per_step": counts[s]["prefill"] / len(rs),
+                   "prefill_bucketed_per_step": sum(bucketed_prefill(c) for c in calls[s]) / len(rs),
                    "generate_s": counts[s]["generate_s"] / len(rs),
                    "reward": mean([x["reward/mean"] for x in rs if x["reward/mean"] is not None]),
                    "reward_sem": sem([x["reward/mean"] for x in rs if x["reward/mean"] is not None]),
@@ -186,24 +340,27 @@ def bench_segments(args, train_flags: list[str]) -> dict:
                    "mean_len": mean([x["response/mean_len"] for x in rs])}
     one = rows[variants[0]]
     print(f"\n{'segments':>8} | {'step s':>7} | {'rollout s':>9} | {'generate s':>10} | {'samples/s':>9} | "
-          f"{'speedup':>7} | {'paper':>5} | {'util':>5} | {'calls':>5} | {'prefill tok':>11} | {'decode steps':>12} | "
+          f"{'speedup':>7} | {'paper':>5} | {'util':>5} | {'calls':>5} | {'prefill tok':>11} | {'bucketed':>8} | {'decode steps':>12} | "
           f"{'fewer steps':>11} | {'reward':>14} | {'mean len':>8}")
     for s, x in rows.items():
-        paper = f"{PAPER[s]:.2f}" if s in PAPER else "  -  "
-        print(f"{s:8d} | {x['step_s']:7.2f} | {x['rollout_s']:9.2f} | {x['generate_s']:10.2f} | "
+        paper = f"{PAPER[int(s)]:.2f}" if s.isdigit() and int(s) in PAPER else "  -  "
+        print(f"{s:>8} | {x['step_s']:7.2f} | {x['rollout_s']:9.2f} | {x['generate_s']:10.2f} | "
               f"{x['samples_per_s']:9.1f} | {x['samples_per_s'] / one['samples_per_s']:6.2f}x | {paper:>5} | "
               f"{x['utilisation']:5.2f} | {x['engine_calls_per_step']:5.1f} | {x['prefill_per_step']:11.0f} | "
+              f"{x['prefill_bucketed_per_step']:8.0f} | "
               f"{x['decode_steps_per_step']:12.1f} | "
               f"{div(one['decode_steps_per_step'], x['decode_steps_per_step']):10.2f}x | "
               f"{x['reward']:.3f} +- {x['reward_sem']:.3f} | {x['mean_len']:8.1f}")
     print("(per optimizer step: step s = the whole step; rollout s = generation + rewards + pools; generate s = "
-          "inside engine.generate; calls = engine calls; prefill tok = rows x longest context, summed over calls; "
+          "inside engine.generate; calls = engine calls; prefill tok = rows x longest context, summed over calls (bucketed: the same in the "
+          "transformers engine's length buckets, what a bucketed variant computes); "
           "decode steps = the calls' longest generations, summed; fewer steps = 1 segment's decode steps / these: "
           "the rollout speedup where a decode step costs the same however many rows are busy, as in memory-bound "
           "GPU decoding: a count, not a timing)")
     print("reward by round (mean reward of the groups completed in each round's steps):")
     for s in variants:
-        print(f"{s:8d} | " + " ".join(f"{v:.3f}" for v in by_round[s]))
+        print(f"{s:>8} | " + " ".join(f"{v:.3f}" for v in by_round[s]))
+    gpu = gpu_predictions(calls, recs, load_train().parse_config(base + train_flags).max_response_len, args.seed)
     return {"bench": "segments", "task": args.task, "segments": variants,
             "speedup": [round(rows[s]["samples_per_s"] / one["samples_per_s"], 3) for s in variants],
             "utilisation": [round(rows[s]["utilisation"], 3) for s in variants],
@@ -217,7 +374,36 @@ def bench_segments(args, train_flags: list[str]) -> dict:
                                   for s in variants],
             "prefill_tokens": [round(rows[s]["prefill_per_step"]) for s in variants],
             "reward_by_round": {str(s): [round(v, 3) for v in by_round[s]] for s in variants},
-            "steps_measured": len(recs[variants[0]]), "threads": torch.get_num_threads()}
+            "prefill_tokens_bucketed": [round(rows[s]["prefill_bucketed_per_step"]) for s in variants],
+            "steps_measured": len(recs[variants[0]]), "threads": torch.get_num_threads(),
+            "paper_speedup": {str(k): round(v, 2) for k, v in PAPER.items()}, "gpu_model": gpu}
+
+
+def gpu_predictions(calls: dict, recs: dict, cap: int, seed: int) -> dict:
+    """The cost model's predicted speedups (GPUCost, a model and not a measurement): (a) the runs' own engine
+    calls replayed with every length scaled so that their cap becomes 64k tokens, (b) the real scheduler
+    over 1024-row batches (128 prompts x 8, 128 groups trained per step, UloRL's setting) of responses with
+    a long tail to a 64k cap. Both against the paper's 1.6x (2 segments) and 2.06x (4)."""
+    cost = GPUCost()
+    plain = [s for s in calls if s.isdigit()]
+    replay = predicted_speedups(cost, {int(s): (calls[s], sum(x["train/samples"] for x in recs[s])) for s in plain},
+                                65536 / cap)
+    tails = {}
+    for median, sigma in ((40, 0.9), (64, 0.8)):  # in units of 256 tokens: medians 10k and 16k tokens
+        length = long_tail(seed, 256, median, sigma)
+        runs = {int(s): simulate_segments(int(s), length, 256, 128, 8, 128, 6, int(s) + 2) for s in plain}
+        at_cap = sum(length(u) == 256 for u in range(10_000)) / 10_000
+        tails[f"median {median * 256} tokens, sigma {sigma}, {at_cap:.1%} at the cap"] = \
+            [round(v, 3) for v in predicted_speedups(cost, runs, 256).values()]
+    print(f"\nGPU cost model ({cost.name}; a model, not a measurement: bench.GPUCost), predicted trained samples "
+          f"per GPU-second relative to {plain[0]} segment(s), for segments {', '.join(plain)}:")
+    print(f"  this run's engine calls, lengths x {65536 / cap:.0f} (cap -> 64k tokens): "
+          + ", ".join(f"{v:.2f}x" for v in replay.values()))
+    for name, v in tails.items():
+        print(f"  1024 rows a round, lognormal lengths ({name}): " + ", ".join(f"{x:.2f}x" for x in v))
+    print(f"  UloRL Table 1 (measured on GPUs): 2 segments {PAPER[2]:.2f}x, 4 segments {PAPER[4]:.2f}x")
+    return {"model": cost.name, "segments": [int(s) for s in plain],
+            "replay_of_this_run": [round(v, 3) for v in replay.values()], "long_tail_1024_rows": tails}
 
 
 # ----------------------------------------------------------------------------------------------- trl

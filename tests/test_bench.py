@@ -26,15 +26,44 @@ def last_json(p) -> dict:
 
 def test_segments(tmp_path):
     # 2 variants, 1 warm-up step and 1 measured round of 1 step each; extra flags go to train.py
-    p = run_bench("segments", "--segments", "1,2", "--warmup", "1", "--rounds", "1", "--chunk", "1",
+    p = run_bench("segments", "--segments", "1,2,2u", "--warmup", "1", "--rounds", "1", "--chunk", "1",
                   "--dir", str(tmp_path), "--prompts-per-step", "1", "--train-groups", "1", "--max-response-len", "16",
-                  "--dynamic-sampling", "false")
+                  "--dynamic-sampling", "false", timeout=240)
     r = last_json(p)
-    assert r["bench"] == "segments" and r["segments"] == [1, 2]
+    assert r["bench"] == "segments" and r["segments"] == ["1", "2", "2u"]
     assert r["speedup"][0] == 1.0 and r["speedup"][1] > 0
+    assert r["prefill_tokens_bucketed"][1] <= r["prefill_tokens"][1]
+    gpu = r["gpu_model"]
+    assert gpu["segments"] == [1, 2] and gpu["replay_of_this_run"][0] == 1.0 and len(gpu["long_tail_1024_rows"]) == 2
     assert all(0 < u <= 1 for u in r["utilisation"]), r
     assert all(0 <= x <= 1 for x in r["reward"]), r
     assert "speedup" in p.stdout and "paper" in p.stdout  # the table
+
+
+def test_gpu_cost_model_by_hand():
+    """Bytes over bandwidth, summed over decode steps: weights read once a step, each active row's KV cache
+    (context so far) read once a step; a row that finishes leaves the batch."""
+    import bench
+    c = bench.GPUCost(layers=1, shared_bytes=100, expert_bytes=0, experts=1, top_k=1, kv_bytes_per_token=1,
+                      memory=1e9, hbm_bytes_per_s=1, flops=1e30, prefill_mfu=1)
+    assert abs(c.call_seconds([2], [3]) - (3 * 100 + (2 + 3 + 4))) < 1e-6
+    assert abs(c.call_seconds([0, 0], [1, 3]) - (100 + 0 + 2 * 100 + (1 + 2))) < 1e-6
+    small = bench.GPUCost(layers=1, shared_bytes=0, expert_bytes=0, experts=1, top_k=1, kv_bytes_per_token=1,
+                          memory=10 / 0.9, hbm_bytes_per_s=1, flops=1e30)  # room for 10 tokens of KV cache
+    # rows of 6 tokens each (context 1 + 5 generated): one at a time, so the second starts when the first ends
+    assert abs(small.call_seconds([1, 1], [5, 5]) - 2 * (1 + 2 + 3 + 4 + 5)) < 1e-6
+    assert abs(c.call_seconds([0, 0], [1, 3]) - c.call_seconds([0, 0], [3, 1])) < 1e-6
+
+
+def test_simulated_rollout_trains_every_sample_once():
+    """The real scheduler around LengthEngine: with S segments every sample needs ceil(length / (cap / S))
+    rounds, every step trains --train-groups whole groups, and nothing is lost or duplicated."""
+    import bench
+    for segments in (1, 4):
+        calls, trained = bench.simulate_segments(segments, bench.long_tail(0, 64, 20, 0.8), 64, 4, 2, 4, 5, 2)
+        assert trained == 5 * 4 * 2
+        assert all(max(gen) <= 64 // segments for _, gen in calls)
+        assert all(len(ctx) <= 4 * 2 for ctx, _ in calls)
 
 
 def test_memory():
