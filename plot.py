@@ -3,15 +3,20 @@ the legend names its directory). Null values (the step-0 record has no training 
 
     python plot.py runs/tiny                          # PNGs into runs/tiny/
     python plot.py runs/tiny runs/tiny_vllm --out /tmp/plots
+    python plot.py runs/findings/dmmpt/* --seeds      # runs named NAME_s0, NAME_s1: one line per NAME (the mean
+                                                      # over seeds), a band from the lowest to the highest seed
 
 Writes reward.png (rollout reward and held-out accuracy), entropy.png (with DMMPTs' target sigma from the
 first run's config), masked.png, length.png (mean and max response tokens), unfinished.png, step_time.png
 and eval.png (accuracy, mean length, truncation rate of every evaluation); for a run that mixes domains,
 reward_by_verifier.png (the mean reward of each verifier). A figure with no data in any run is not written.
+
+`variant_curves` and `panel_figure` draw the side-by-side figures of experiments/findings.py and bench.py.
 """
 import argparse
 import json
 import os
+import re
 
 import matplotlib
 
@@ -83,10 +88,91 @@ def plot_figure(runs: dict[str, list[dict]], panels: list, path: str, sigma: flo
     return drawn
 
 
+# ------------------------------------------------------------------ variants x seeds, side by side
+
+def seed_groups(runs: dict[str, list[dict]]) -> dict[str, list[list[dict]]]:
+    """Runs named NAME_sSEED grouped by NAME, in first-seen order; any other name is a group of its own."""
+    groups: dict[str, list[list[dict]]] = {}
+    for name, records in runs.items():
+        groups.setdefault(re.sub(r"_s\d+$", "", name), []).append(records)
+    return groups
+
+
+def variant_curves(seeds: list[list[dict]], key: str, smooth: int = 1) -> tuple[list, list, list, list]:
+    """(steps, mean, low, high) of one metric over the runs of one variant (one run per seed): at the steps
+    every run logged, each run first averaged over a trailing window of `smooth` logged values (per-step
+    metrics are noisy; evaluations use 1). low/high: the lowest and highest seed."""
+    per_run = []
+    for records in seeds:
+        steps, values = series(records, key)
+        window = [sum(values[max(0, i - smooth + 1):i + 1]) / len(values[max(0, i - smooth + 1):i + 1])
+                  for i in range(len(values))]
+        per_run.append(dict(zip(steps, window)))
+    common = sorted(set.intersection(*(set(r) for r in per_run))) if per_run else []
+    rows = [[r[s] for r in per_run] for s in common]
+    return common, [sum(v) / len(v) for v in rows], [min(v) for v in rows], [max(v) for v in rows]
+
+
+def panel_figure(panels: list[dict], path: str, title: str = "") -> str:
+    """One PNG, one subplot per panel, side by side. A panel: {"title", "xlabel", "ylabel" (optional),
+    "lines": {label: (xs, ys, low, high)} (low/high None: no band), "hlines": {label: y} (optional),
+    "logx": bool (optional), "style": a matplotlib format such as "o-" (optional)}. Colours follow the
+    order of the labels, the same in every panel."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.9), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    labels = list(dict.fromkeys(label for p in panels for label in p["lines"]))
+    for ax, p in zip(axes[0], panels):
+        for label, (xs, ys, low, high) in p["lines"].items():
+            color = colors[labels.index(label) % len(colors)]
+            ax.plot(xs, ys, p.get("style", "-"), color=color, label=label, markersize=3, linewidth=1.5)
+            if low is not None:
+                ax.fill_between(xs, low, high, color=color, alpha=0.2, linewidth=0)
+        for label, y in p.get("hlines", {}).items():
+            ax.axhline(y, color="black", linestyle="--", linewidth=1, label=label)
+        if p.get("logx"):
+            ax.set_xscale("log", base=2)
+        ax.set_title(p["title"], fontsize=10)
+        ax.set_xlabel(p["xlabel"])
+        if p.get("ylabel"):
+            ax.set_ylabel(p["ylabel"])
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def seed_figures(groups: dict[str, list[list[dict]]], out: str, sigma: float | None) -> list[str]:
+    """plot.py --seeds: every figure of FIGURES with one line per variant (mean over seeds) and its band."""
+    written = []
+    for fname, panels in FIGURES.items():
+        spec = []
+        for title, keys in panels:
+            lines = {}
+            for name, seeds in groups.items():
+                for key, style in keys:
+                    steps, mean, low, high = variant_curves(seeds, key, 1 if "eval/" in key else 5)
+                    if steps:
+                        lines[name if len(keys) == 1 else f"{name}: {key}"] = (steps, mean, low, high)
+            if lines:
+                spec.append({"title": title, "xlabel": "step", "lines": lines,
+                             "hlines": {f"sigma {sigma}": sigma} if sigma is not None and fname == "entropy.png" else {}})
+        if spec:
+            written.append(panel_figure(spec, os.path.join(out, fname)))
+    return written
+
+
 def main(argv=None) -> list[str]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run directories (train.py --out), each with a metrics.jsonl")
     p.add_argument("--out", default="", help="where to write the PNGs (default: the first run directory)")
+    p.add_argument("--seeds", action="store_true", help="runs named NAME_sSEED: one line per NAME, the mean over "
+                                                        "its seeds, with a band from the lowest to the highest "
+                                                        "(per-step metrics: a trailing mean over 5 steps)")
     args = p.parse_args(argv)
     runs = {}
     for d in args.runs:
@@ -96,6 +182,10 @@ def main(argv=None) -> list[str]:
     sigma = config.get("mpt_sigma")  # DMMPTs mask while a sample's entropy is below this (UloRL 3.2)
     out = args.out or args.runs[0]
     os.makedirs(out, exist_ok=True)
+    if args.seeds:
+        written = seed_figures(seed_groups(runs), out, sigma)
+        print("wrote " + " ".join(written))
+        return written
     written, figures = [], dict(FIGURES)
     domains = sorted({k for recs in runs.values() for r in recs for k in r if k.startswith("reward/by_verifier/")})
     if len(domains) > 1:  # a mixture of domains: one reward curve per verifier

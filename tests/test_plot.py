@@ -89,3 +89,23 @@ def test_mixed_domains_get_a_reward_curve_each(tmp_path):
         assert f.read(8) == PNG_SIGNATURE
     write_run(str(tmp_path / "single"), seed=0)  # one domain: no extra figure
     assert "reward_by_verifier.png" not in {os.path.basename(p) for p in plot.main([str(tmp_path / "single")])}
+
+
+def test_seed_groups_average_each_variant_with_its_band(tmp_path):
+    """Runs NAME_sSEED: one curve per NAME, the mean over its seeds with the lowest and highest seed as the band,
+    at the steps every seed logged (a null step is skipped); other names stay their own group."""
+    runs = {}
+    for name, seed in (("off_s0", 0), ("off_s1", 1), ("dyn_s0", 2), ("single", 3)):
+        write_run(str(tmp_path / name), seed=seed)
+        runs[name] = plot.read_metrics(str(tmp_path / name))
+    groups = plot.seed_groups(runs)
+    assert list(groups) == ["off", "dyn", "single"] and len(groups["off"]) == 2
+    steps, mean, low, high = plot.variant_curves(groups["off"], "reward/mean")
+    assert steps == [1, 2, 4, 5, 6]  # step 3 is null in every run
+    for s, m, lo, hi in zip(steps, mean, low, high):
+        assert abs(m - (0.5 + 0.05 * s + 0.005)) < 1e-9 and abs(lo - (0.5 + 0.05 * s)) < 1e-9
+        assert abs(hi - (0.5 + 0.05 * s + 0.01)) < 1e-9
+    smoothed = plot.variant_curves(groups["dyn"], "entropy/mean", smooth=3)[1]  # trailing mean of 3 values
+    assert abs(smoothed[2] - (0.14 + 0.13 + 0.12) / 3) < 1e-9 and abs(smoothed[0] - 0.14) < 1e-9
+    written = plot.main([str(tmp_path / n) for n in runs] + ["--seeds", "--out", str(tmp_path / "fig")])
+    assert written and all(open(p, "rb").read(8) == PNG_SIGNATURE for p in written)

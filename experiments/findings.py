@@ -1,0 +1,368 @@
+"""The papers' findings, reproduced at small scale on the built-in tiny task: each subcommand trains its
+variants with fixed seeds (one `train.py` process per run, variants interleaved within each seed), writes
+every run's metrics.jsonl under --root, draws one figure with the variants side by side, and prints a table
+and one JSON line with the numbers docs/findings.md quotes.
+
+    python experiments/findings.py dmmpt      # DMMPTs off / static / dynamic, sigma inside the task's range
+    python experiments/findings.py is         # TOIS (1 segment) / SAIS (4) / POIS (4): entropy, accuracy, clipping
+    python experiments/findings.py length     # held-out accuracy against --max-response-len 16 / 32 / 48 / 64
+    python experiments/findings.py boundary   # ProRL: pass@1..64 before and after RL; KL + resets, prolonged
+    python experiments/findings.py passk --models dmmpt/off   # pass@1..64 of the warm start and of finished
+                                              # runs' last checkpoints (here the dmmpt finding's "off" runs)
+
+A run that finished is not run again (delete its folder to redo it); one that was stopped continues from its
+newest checkpoint. `--jobs 2` runs two at a time (one thread each). Flags this script does not know go to
+every train.py run, after the finding's own (the smoke test shrinks the runs this way: `--steps 2 ...`).
+"""
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # train.py, eval.py, plot.py and tiny.py live one folder up
+
+import eval as eval_lib  # noqa: E402
+import plot  # noqa: E402
+import tiny  # noqa: E402
+
+# What every run of a finding shares, then its variants (label -> train.py flags). The rest is train.py's
+# tiny default: 16 prompts x 8 samples a step, 64-token cap in 4 segments, lr 3e-4, T 1, held-out accuracy on
+# 512 problems every 25 steps.
+SIGMA = 0.08  # the warm start's mean token entropy is ~0.11 and falls to ~0.04 under RL: the paper's 0.2 is never reached
+BETA, RESET_EVERY = 0.1, 50  # KL coefficient and reset period of the prolonged runs (why these: docs/findings.md)
+FINDINGS = {
+    "dmmpt": dict(steps=150, common=["--mpt-sigma", str(SIGMA)], variants={
+        "off": ["--mpt", "off"], "static": ["--mpt", "static"], "dynamic": ["--mpt", "dynamic"]}),
+    "is": dict(steps=150, common=[], variants={
+        "tois-1seg": ["--is-mode", "tois", "--segments", "1"], "sais-4seg": ["--is-mode", "sais", "--segments", "4"],
+        "pois-4seg": ["--is-mode", "pois", "--segments", "4"]}),
+    # segments of 16 tokens, as UloRL keeps 16k segments and adds more of them for longer outputs
+    "length": dict(steps=150, common=[], variants={
+        f"len{n}": ["--max-response-len", str(n), "--segments", str(n // 16)] for n in (16, 32, 48, 64)}),
+    # ProRL's recipe where it differs from the tiny default: no DMMPTs, decoupled clip 0.2 / 0.4
+    "boundary": dict(steps=300, common=["--mpt", "off", "--eps-high", "0.4"], variants={
+        "no-kl": [], "kl": ["--kl-coef", str(BETA)],
+        "kl+reset": ["--kl-coef", str(BETA), "--ref-reset-every", str(RESET_EVERY)]}),
+}
+
+
+# ------------------------------------------------------------------------------------------- runs
+
+def last_step(run_dir: str) -> int:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return max((json.loads(line)["step"] for line in f if line.strip()), default=0)
+
+
+def train(run_dir: str, flags: list[str], steps: int) -> None:
+    """One train.py run into `run_dir` (its stdout in run_dir + '.log'), unless it already reached `steps`."""
+    if last_step(run_dir) >= steps:
+        return
+    has_checkpoint = os.path.isdir(run_dir) and any(d.startswith("step_") for d in os.listdir(run_dir))
+    cmd = [sys.executable, "train.py", *flags, "--steps", str(steps), "--out", run_dir, "--threads", "1",
+           "--save-every", "50", "--keep-last", "1", "--dump-samples", "0",
+           *(["--resume", "auto"] if has_checkpoint else ["--overwrite", "true"])]
+    t0 = time.time()
+    with open(run_dir + ".log", "a") as log:
+        p = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {p.returncode}); its output: {run_dir}.log")
+    print(f"  {os.path.basename(run_dir)}: {time.time() - t0:.0f}s", flush=True)
+
+
+def run_all(name: str, spec: dict, seeds: list[int], root: str, extra: list[str], jobs: int) -> dict:
+    """Every (seed, variant) run of a finding; returns {variant: [metrics records of each seed]}."""
+    os.makedirs(os.path.join(root, name), exist_ok=True)
+    steps = int(next((extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--steps"), spec["steps"]))
+    extra = [a for i, a in enumerate(extra) if a != "--steps" and (i == 0 or extra[i - 1] != "--steps")]
+    todo = [(os.path.join(root, name, f"{v}_s{s}"), spec["common"] + flags + extra + ["--seed", str(s)])
+            for s in seeds for v, flags in spec["variants"].items()]  # seed-major: each seed's variants together
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(lambda job: train(job[0], job[1], steps), todo))
+    return {v: [plot.read_metrics(os.path.join(root, name, f"{v}_s{s}")) for s in seeds] for v in spec["variants"]}
+
+
+# ------------------------------------------------------------------------------------------ numbers
+
+def finals(seeds: list[list[dict]], key: str) -> list[float]:
+    """The last logged value of `key` in each seed's run."""
+    return [plot.series(records, key)[1][-1] for records in seeds]
+
+
+def window_mean(records: list[dict], key: str, first: int, last: int) -> float:
+    values = [r[key] for r in records if first <= r["step"] <= last and r.get(key) is not None]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def spread(values: list[float]) -> dict:
+    """Mean and half the range over seeds (with two seeds: mean +- this gives both)."""
+    return {"mean": sum(values) / len(values), "pm": (max(values) - min(values)) / 2, "seeds": values}
+
+
+def clean(x):
+    """JSON has no NaN: None instead."""
+    if isinstance(x, dict):
+        return {k: clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean(v) for v in x]
+    return None if isinstance(x, float) and x != x else x
+
+
+def fmt(s: dict, digits: int = 3) -> str:
+    return f"{s['mean']:.{digits}f} +- {s['pm']:.{digits}f}"
+
+
+def run_seconds(seeds: list[list[dict]]) -> list[float]:
+    """Each run's own time: the sum of its steps' times (evaluations included), model loading left out."""
+    return [sum(r.get("time/step_s") or 0 for r in records) for records in seeds]
+
+
+def common_numbers(runs: dict, steps: int) -> dict:
+    """Per variant: held-out accuracy first and last, entropy early / late, mean clip and masked fractions."""
+    out = {}
+    for v, seeds in runs.items():
+        late = max(1, steps - 19)
+        out[v] = {"eval_first": spread(finals([[r for r in rs if r["step"] == 0] for rs in seeds], "eval/accuracy")),
+                  "eval_last": spread(finals(seeds, "eval/accuracy")),
+                  "entropy_first10": spread([window_mean(rs, "entropy/mean", 1, 10) for rs in seeds]),
+                  "entropy_last20": spread([window_mean(rs, "entropy/mean", late, steps) for rs in seeds]),
+                  "clip_frac": spread([window_mean(rs, "clip/low_frac", 1, steps) + window_mean(rs, "clip/high_frac", 1, steps)
+                                       + window_mean(rs, "clip/dual_frac", 1, steps) for rs in seeds]),
+                  "masked_frac": spread([window_mean(rs, "mpt/masked_frac", 1, steps) for rs in seeds]),
+                  "run_s": spread(run_seconds(seeds))}
+    return out
+
+
+def curves(runs: dict, key: str, smooth: int = 1) -> dict:
+    lines = {}
+    for v, seeds in runs.items():
+        steps, mean, low, high = plot.variant_curves(seeds, key, smooth)
+        if steps:
+            lines[v] = (steps, mean, low, high)
+    return lines
+
+
+def print_table(numbers: dict, keys: list[str]) -> None:
+    print(f"\n{'variant':>10} | " + " | ".join(f"{k:>16}" for k in keys))
+    for v, n in numbers.items():
+        print(f"{v:>10} | " + " | ".join(f"{fmt(n[k]):>16}" for k in keys))
+
+
+# ------------------------------------------------------------------------------------------ findings
+
+def finding_dmmpt(runs: dict, steps: int, figure: str) -> dict:
+    numbers = common_numbers(runs, steps)
+    print_table(numbers, ["eval_first", "eval_last", "entropy_first10", "entropy_last20", "masked_frac"])
+    plot.panel_figure([
+        {"title": "mean token entropy (trailing mean of 5 steps)", "xlabel": "step", "lines": curves(runs, "entropy/mean", 5),
+         "hlines": {f"sigma {SIGMA}": SIGMA}},
+        {"title": "held-out accuracy (512 problems)", "xlabel": "step", "lines": curves(runs, "eval/accuracy"),
+         "style": "o-"},
+        {"title": "tokens masked by DMMPTs (trailing mean of 5)", "xlabel": "step", "lines": curves(runs, "mpt/masked_frac", 5)},
+    ], figure, "DMMPTs off / static / dynamic: mean over seeds, band = lowest to highest seed")
+    return numbers
+
+
+def finding_is(runs: dict, steps: int, figure: str) -> dict:
+    numbers = common_numbers(runs, steps)
+    print_table(numbers, ["eval_first", "eval_last", "entropy_first10", "entropy_last20", "clip_frac"])
+    clip = {}
+    for v, seeds in runs.items():  # low + high + dual clip fractions of each step
+        summed = [[{"step": r["step"], "clip": sum(r.get(k) or 0 for k in ("clip/low_frac", "clip/high_frac", "clip/dual_frac"))}
+                   for r in rs if r.get("clip/low_frac") is not None] for rs in seeds]
+        steps_, mean, low, high = plot.variant_curves(summed, "clip", 5)
+        clip[v] = (steps_, mean, low, high)
+    plot.panel_figure([
+        {"title": "mean token entropy (trailing mean of 5 steps)", "xlabel": "step", "lines": curves(runs, "entropy/mean", 5)},
+        {"title": "held-out accuracy (512 problems)", "xlabel": "step", "lines": curves(runs, "eval/accuracy"),
+         "style": "o-"},
+        {"title": "clipped token fraction (trailing mean of 5)", "xlabel": "step", "lines": clip},
+    ], figure, "pi_old under segment rollout: mean over seeds, band = lowest to highest seed")
+    return numbers
+
+
+def response_tokens(row: dict, tokenizer) -> int:
+    """Tokens of the row's correct step-by-step response, end-of-sequence included."""
+    terms = [int(t) for t in row["prompt"][:-1].split("+")]
+    return len(tokenizer(tiny.teacher_response(terms, random.Random(0))).input_ids) + 1
+
+
+def evaluate_at(model_dir: str, report: str, max_len: int, k: int, n: int) -> dict:
+    """eval.py in its own process (one thread): the report, cached in `report`."""
+    if not os.path.exists(report):
+        cmd = [sys.executable, "eval.py", "--model", model_dir, "--k", str(k), "--n-problems", str(n),
+               "--max-response-len", str(max_len), "--batch", "512", "--report", report]
+        with open(report + ".log", "w") as log:
+            p = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed; its output: {report}.log")
+    with open(report) as f:
+        return json.load(f)
+
+
+def final_checkpoint(run_dir: str) -> str:
+    steps = sorted(d for d in os.listdir(run_dir) if d.startswith("step_") and not d.endswith(".tmp"))
+    return os.path.join(run_dir, steps[-1])
+
+
+def finding_length(runs: dict, steps: int, figure: str, root: str, seeds: list[int]) -> dict:
+    numbers = common_numbers(runs, steps)
+    print_table(numbers, ["eval_first", "eval_last", "entropy_last20", "run_s"])
+    tokenizer = tiny.make_tokenizer()
+    held_out = tiny.held_out_rows(512)
+    need = [response_tokens(r, tokenizer) for r in held_out]
+    caps = [int(v[3:]) for v in runs]
+    # every trained model also answers with the full 64-token cap: did training short hurt the long problems?
+    at64 = {v: spread([evaluate_at(final_checkpoint(os.path.join(root, "length", f"{v}_s{s}")),
+                                   os.path.join(root, "length", f"{v}_s{s}.eval64.json"), 64, 4, 512)["avg@k"]
+                       for s in seeds]) for v in runs}
+    warm64 = evaluate_at(tiny.CKPT, os.path.join(root, "length", "warm_start.eval64.json"), 64, 4, 512)["avg@k"]
+    for v, cap in zip(runs, caps):
+        numbers[v]["ceiling"] = sum(x <= cap for x in need) / len(need)  # problems whose correct answer fits
+        numbers[v]["eval64"] = at64[v]
+    numbers["warm_start_eval64"] = warm64
+    print(f"\n{'cap':>5} | {'fits the cap':>12} | {'accuracy at the cap':>19} | {'same model, cap 64':>18}")
+    for v, cap in zip(runs, caps):
+        print(f"{cap:5d} | {numbers[v]['ceiling']:12.3f} | {fmt(numbers[v]['eval_last']):>19} | {fmt(at64[v]):>18}")
+    print(f"warm start, cap 64: {warm64:.3f} (avg@4)")
+    band = lambda key: ([numbers[v][key]["mean"] for v in runs], [min(numbers[v][key]["seeds"]) for v in runs],
+                        [max(numbers[v][key]["seeds"]) for v in runs])
+    last, at = band("eval_last"), band("eval64")
+    plot.panel_figure([
+        {"title": "held-out accuracy after training, by response cap", "xlabel": "--max-response-len (tokens)",
+         "style": "o-", "lines": {"answered within the cap (avg@1)": (caps, *last),
+                                  "answered with 64 tokens (avg@4)": (caps, *at),
+                                  "correct answer fits the cap": (caps, [numbers[v]["ceiling"] for v in runs], None, None)},
+         "hlines": {f"warm start, 64 tokens ({warm64:.3f})": warm64}},
+        {"title": "held-out accuracy during training (at the run's own cap)", "xlabel": "step", "style": "o-",
+         "lines": curves(runs, "eval/accuracy")},
+    ], figure, "Longer outputs: mean over seeds, band = lowest to highest seed")
+    return numbers
+
+
+def pass_curve(report: dict) -> list[float]:
+    """pass@k for every k = 1..n from the report's per-problem results (the unbiased estimator)."""
+    n = report["k"]
+    return [sum(eval_lib.pass_at_k(n, sum(p["correct"]), k) for p in report["per_problem"]) / len(report["per_problem"])
+            for k in range(1, n + 1)]
+
+
+def passk_reports(folder: str, run_dirs: dict[str, list[str]], k: int, n: int) -> dict[str, list[dict]]:
+    """eval.py reports (k samples on n held-out problems, cached in `folder`) of the warm start and of the last
+    checkpoint of each run in run_dirs = {label: [run directory of each seed]}."""
+    reports = {"warm start": [evaluate_at(tiny.CKPT, os.path.join(folder, f"warm_start.pass{k}x{n}.json"), 64, k, n)]}
+    for label, dirs in run_dirs.items():
+        reports[label] = [evaluate_at(final_checkpoint(d), os.path.join(folder, f"{os.path.basename(os.path.dirname(d))}_{os.path.basename(d)}.pass{k}x{n}.json"),
+                                      64, k, n) for d in dirs]
+    return reports
+
+
+def passk_numbers(reports: dict[str, list[dict]], k: int, n: int) -> tuple[dict, dict]:
+    """(figure lines, {model: {k: spread over seeds}}) of pass@1..k, printed as a table."""
+    ks = list(range(1, k + 1))
+    lines, passk = {}, {}
+    for name, reps in reports.items():
+        per_seed = [pass_curve(r) for r in reps]
+        mean = [sum(c[i] for c in per_seed) / len(per_seed) for i in range(k)]
+        lines[name] = (ks, mean, [min(c[i] for c in per_seed) for i in range(k)], [max(c[i] for c in per_seed) for i in range(k)])
+        passk[name] = {str(kk): spread([c[kk - 1] for c in per_seed]) for kk in eval_lib.ks_up_to(k)}
+    print(f"\npass@k on {n} held-out problems, {k} samples each (T 1, 64-token cap):")
+    print(f"{'model':>12} | " + " | ".join(f"{'pass@' + kk:>15}" for kk in passk["warm start"]))
+    for name, row in passk.items():
+        print(f"{name:>12} | " + " | ".join(f"{fmt(s):>15}" for s in row.values()))
+    return lines, passk
+
+
+def finding_passk(root: str, models: list[str], figure: str, k: int, n: int) -> dict:
+    """pass@k of the warm start against finished runs (ROOT/FINDING/VARIANT_s*), no training."""
+    import glob
+    run_dirs = {m: sorted(glob.glob(os.path.join(root, m + "_s*[0-9]"))) for m in models}
+    missing = [m for m, dirs in run_dirs.items() if not dirs]
+    if missing:
+        raise SystemExit(f"no finished runs {', '.join(os.path.join(root, m + '_sSEED') for m in missing)}: "
+                         f"run their finding first")
+    folder = os.path.join(root, "passk")
+    os.makedirs(folder, exist_ok=True)
+    lines, passk = passk_numbers(passk_reports(folder, run_dirs, k, n), k, n)
+    plot.panel_figure([{"title": f"pass@k, {n} held-out problems, {k} samples each", "xlabel": "k", "logx": True,
+                        "ylabel": "pass@k", "lines": lines}],
+                      figure, "Warm start vs RL-trained (mean over seeds)")
+    return {"pass@k": passk, "problems": n, "samples": k, "runs": run_dirs}
+
+
+def finding_boundary(runs: dict, steps: int, figure: str, root: str, seeds: list[int], k: int, n: int) -> dict:
+    numbers = common_numbers(runs, steps)
+    print_table(numbers, ["eval_first", "eval_last", "entropy_last20", "run_s"])
+    folder = os.path.join(root, "boundary")
+    reports = passk_reports(folder, {v: [os.path.join(folder, f"{v}_s{s}") for s in seeds] for v in runs}, k, n)
+    lines, passk = passk_numbers(reports, k, n)
+    numbers["pass@k"] = passk
+    numbers["passk_problems"], numbers["passk_samples"] = n, k
+    plot.panel_figure([
+        {"title": f"pass@k, {n} held-out problems, {k} samples each", "xlabel": "k", "logx": True, "lines": lines},
+        {"title": "held-out accuracy (512 problems)", "xlabel": "step", "style": "o-", "lines": curves(runs, "eval/accuracy")},
+        {"title": "mean token entropy (trailing mean of 5 steps)", "xlabel": "step", "lines": curves(runs, "entropy/mean", 5)},
+    ], figure, f"Reasoning boundary and prolonged RL (KL {BETA}, resets every {RESET_EVERY} steps): mean over seeds, "
+               f"band = lowest to highest seed")
+    return numbers
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("finding", choices=[*FINDINGS, "passk"], help="which finding to reproduce")
+    p.add_argument("--models", default="dmmpt/off", help="passk: comma-separated FINDING/VARIANT runs under --root")
+    p.add_argument("--seeds", default="0,1", help="comma-separated seeds; each variant runs once per seed")
+    p.add_argument("--root", default="runs/findings", help="runs go to ROOT/FINDING/VARIANT_sSEED")
+    p.add_argument("--figure", default="", help="the figure's path (default: docs/findings/FINDING.png)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time, one thread each")
+    p.add_argument("--passk-samples", type=int, default=64, help="boundary, passk: samples per problem for pass@k")
+    p.add_argument("--passk-problems", type=int, default=256, help="boundary, passk: held-out problems for pass@k")
+    args, extra = p.parse_known_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    root = os.path.abspath(args.root)
+    figure = os.path.abspath(args.figure or os.path.join(ROOT, "docs", "findings", f"{args.finding}.png"))
+    os.makedirs(os.path.dirname(figure), exist_ok=True)
+    t0 = time.time()
+    if args.finding == "passk":
+        if extra:
+            p.error(f"passk trains nothing: unknown arguments {' '.join(extra)}")
+        result = clean({"finding": "passk", **finding_passk(root, args.models.split(","), figure, args.passk_samples,
+                                                            args.passk_problems), "figure": figure,
+                        "wall_s": time.time() - t0})
+        print(json.dumps(result))
+        return result
+    spec = FINDINGS[args.finding]
+    print(f"{args.finding}: variants {list(spec['variants'])} x seeds {seeds} into {root}/{args.finding}", flush=True)
+    runs = run_all(args.finding, spec, seeds, root, extra, args.jobs)
+    steps = max(r["step"] for r in runs[next(iter(runs))][0])
+    if args.finding == "dmmpt":
+        numbers = finding_dmmpt(runs, steps, figure)
+    elif args.finding == "is":
+        numbers = finding_is(runs, steps, figure)
+    elif args.finding == "length":
+        numbers = finding_length(runs, steps, figure, root, seeds)
+    else:
+        numbers = finding_boundary(runs, steps, figure, root, seeds, args.passk_samples, args.passk_problems)
+    wall = time.time() - t0
+    print(f"\nfigure: {figure}\nwall time of this command: {wall:.0f}s (runs already done are not redone)")
+    result = {"finding": args.finding, "steps": steps, "seeds": seeds, "variants": spec["variants"],
+              "numbers": numbers, "figure": figure, "wall_s": wall}
+    result = clean(result)
+    with open(os.path.join(root, args.finding, "summary.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
