@@ -170,7 +170,7 @@ class HFEngine:
             for j, i in enumerate(rows):
                 logits[i] = out.logits[j, -1]
             parts.append((rows, out.past_key_values))
-        if len(parts) == 1:
+        if len(parts) == 1 and parts[0][0] == list(range(len(prompts))):  # one bucket, already in request order
             return torch.stack(logits), parts[0][1]
         inverse = torch.tensor([i for rows, _ in parts for i in rows], device=device).argsort()
         layers = []

@@ -161,6 +161,13 @@ def test_bucketed_prefill_changes_nothing_but_the_padding(tok, lm):
     assert sum(len(g.tokens) for g in a) > 100 and len({len(p) for p in batch}) > 6
     assert len(engine_lib.length_buckets([len(p) for p in batch])) > 2
     assert bucketed.prefill_tokens < 0.7 * padded.prefill_tokens == 0.7 * len(batch) * max(map(len, batch))
+    # one bucket whose rows the bucketing reorders (longest first): the cache must come back in request order
+    base = ids(tok, "5+5+5=")
+    similar = [base, base + base[-2:], base, base + base[-1:]]  # 6, 8, 6 and 7 tokens
+    assert engine_lib.length_buckets([len(p) for p in similar]) == [[1, 3, 0, 2]]
+    one_padded = padded.generate(similar, [20] * 4, sampling, keys=keys[:4])
+    one_bucket = bucketed.generate(similar, [20] * 4, sampling, keys=keys[:4])
+    assert [g.tokens for g in one_padded] == [g.tokens for g in one_bucket]
     for i in (1, 4, 9):  # against the naive recomputation too (no padding, no cache)
         for x, lp, d in zip(b[i].tokens, b[i].logprobs, naive_dists(lm, batch[i], b[i].tokens, sampling)):
             assert abs(lp - d[x]) < TOL
