@@ -649,7 +649,8 @@ def stop_on_signals(lead: bool, state: RunState) -> list[str]:
 def main(cfg: Config, engine_hook=None) -> None:
     """The run. `engine_hook(engine) -> engine` may wrap rank 0's rollout engine (bench.py counts its work)."""
     if cfg.plan:  # for the WORLD_SIZE trainer ranks torchrun would start (1 without it); nothing is started
-        plan, world = memory_plan(cfg, int(os.environ.get("WORLD_SIZE", "1"))), int(os.environ.get("WORLD_SIZE", "1"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        plan = memory_plan(cfg, world)
         if int(os.environ.get("RANK", "0")) == 0:
             capacity = plan_lib.device_bytes(cfg.device)
             print(plan.table(f"{world} trainer rank(s), {cfg.device}"), flush=True)
