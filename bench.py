@@ -289,36 +289,8 @@ def predicted_speedups(cost: GPUCost, runs: dict, unit: float) -> dict:
 
 # ------------------------------------------------------------------------------------------ segments
 
-def bench_segments(args, train_flags: list[str]) -> dict:
-    work = args.dir or tempfile.mkdtemp(prefix="bench_segments_")
-    os.makedirs(work, exist_ok=True)
-    base = ["--eval-data", "", "--dump-samples", "0", "--save-every", "0", "--keep-last", "1", "--seed", str(args.seed)]
-    if args.task == "controlled":
-        base += ["--data", controlled_data(os.path.join(work, "controlled.jsonl"), 20_000, args.seed)]
-    variants = args.segments.split(",")  # "4u": 4 segments, the transformers engine's prefill not bucketed
-    recs = {s: [] for s in variants}
-    counts = {s: dict.fromkeys(COUNTS, 0) for s in variants}
-    by_round = {s: [] for s in variants}  # mean reward of each measured round
-    calls = {s: [] for s in variants}  # the measured rounds' engine calls
-    log = open(os.path.join(work, "train_stdout.log"), "a")
-    print(f"segments bench in {work}: variants {variants}, warm-up {args.warmup} steps, then {args.rounds} "
-          f"rounds x {args.chunk} steps, torch threads {torch.get_num_threads()}", flush=True)
-    t_start = time.time()
-    for r in range(args.rounds + 1):  # round 0 = warm-up, not measured
-        target = args.warmup + r * args.chunk
-        for s in rotate(variants, r):
-            before, first_call = dict(COUNTS), len(CALLS)
-            got = run_chunk(base + train_flags + ["--segments", s.rstrip("u")], os.path.join(work, f"seg{s}"), target,
-                            log, bucket=not s.endswith("u"))
-            if r == 0:
-                continue
-            calls[s] += CALLS[first_call:]
-            recs[s] += got
-            for k in COUNTS:
-                counts[s][k] += COUNTS[k] - before[k]
-            by_round[s].append(mean([x["reward/mean"] for x in got if x["reward/mean"] is not None]))
-        print(f"  round {r}/{args.rounds} done ({time.time() - t_start:.0f}s)", flush=True)
-
+def segment_rows(variants: list[str], recs: dict, counts: dict, calls: dict, by_round: dict) -> dict:
+    """Each variant's measured numbers per optimizer step, printed as the segments table."""
     rows = {}
     for s in variants:
         rs = recs[s]
@@ -360,6 +332,41 @@ def bench_segments(args, train_flags: list[str]) -> dict:
     print("reward by round (mean reward of the groups completed in each round's steps):")
     for s in variants:
         print(f"{s:>8} | " + " ".join(f"{v:.3f}" for v in by_round[s]))
+    return rows
+
+
+def bench_segments(args, train_flags: list[str]) -> dict:
+    work = args.dir or tempfile.mkdtemp(prefix="bench_segments_")
+    os.makedirs(work, exist_ok=True)
+    base = ["--eval-data", "", "--dump-samples", "0", "--save-every", "0", "--keep-last", "1", "--seed", str(args.seed)]
+    if args.task == "controlled":
+        base += ["--data", controlled_data(os.path.join(work, "controlled.jsonl"), 20_000, args.seed)]
+    variants = args.segments.split(",")  # "4u": 4 segments, the transformers engine's prefill not bucketed
+    recs = {s: [] for s in variants}
+    counts = {s: dict.fromkeys(COUNTS, 0) for s in variants}
+    by_round = {s: [] for s in variants}  # mean reward of each measured round
+    calls = {s: [] for s in variants}  # the measured rounds' engine calls
+    log = open(os.path.join(work, "train_stdout.log"), "a")
+    print(f"segments bench in {work}: variants {variants}, warm-up {args.warmup} steps, then {args.rounds} "
+          f"rounds x {args.chunk} steps, torch threads {torch.get_num_threads()}", flush=True)
+    t_start = time.time()
+    for r in range(args.rounds + 1):  # round 0 = warm-up, not measured
+        target = args.warmup + r * args.chunk
+        for s in rotate(variants, r):
+            before, first_call = dict(COUNTS), len(CALLS)
+            got = run_chunk(base + train_flags + ["--segments", s.rstrip("u")], os.path.join(work, f"seg{s}"), target,
+                            log, bucket=not s.endswith("u"))
+            if r == 0:
+                continue
+            calls[s] += CALLS[first_call:]
+            recs[s] += got
+            for k in COUNTS:
+                counts[s][k] += COUNTS[k] - before[k]
+            by_round[s].append(mean([x["reward/mean"] for x in got if x["reward/mean"] is not None]))
+        print(f"  round {r}/{args.rounds} done ({time.time() - t_start:.0f}s)", flush=True)
+
+    rows = segment_rows(variants, recs, counts, calls, by_round)
+    one = rows[variants[0]]
     gpu = gpu_predictions(calls, recs, load_train().parse_config(base + train_flags).max_response_len, args.seed)
     return {"bench": "segments", "task": args.task, "segments": variants,
             "speedup": [round(rows[s]["samples_per_s"] / one["samples_per_s"], 3) for s in variants],

@@ -78,7 +78,7 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
          git: str = "unknown") -> None:
     """Write checkpoint `path` (see the module docstring). Every trainer rank calls this: the weights are
     gathered from the shards (rank 0 writes them) and each rank writes its own optimizer state. `cfg` is
-    train.py's Config; the newest --keep-last checkpoints in cfg.out are kept."""
+    config.py's Config; the newest --keep-last checkpoints in cfg.out are kept."""
     lead = model_lib.rank() == 0
     tmp = path + ".tmp"
     if lead:

@@ -119,7 +119,7 @@ class Plan:
 
 
 def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> Plan:
-    """The plan of a run: `cfg` is train.py's Config, `world` the trainer ranks, `engine_ranks` the GPUs the
+    """The plan of a run: `cfg` is config.py's Config, `world` the trainer ranks, `engine_ranks` the GPUs the
     vLLM engine spans (`vllm`: whether it runs at all; the transformers engine shares the trainer's module)."""
     mixed = world > 1 and cfg.parallel == "fsdp" and cfg.dtype == "bfloat16" and cfg.device.startswith("cuda")
     b = BYTES["float32" if mixed else cfg.dtype]  # master weights, gradients, AdamW moments
@@ -192,6 +192,19 @@ def problems(plan: Plan, cfg, capacity: int | None, colocated: bool) -> list[str
         out.append(f"the vLLM engine needs {plan.engine_minimum / GIB:.1f} GiB per GPU for its weights and one sample's "
                    f"KV cache at full context, more than {capacity / GIB:.1f} GiB: more --rollout-gpus / --rollout-tp")
     return out
+
+
+def report(plan: Plan, cfg, world: int) -> str:
+    """What `train.py --plan` prints: the plan's table and whether it fits this machine's device."""
+    capacity = device_bytes(cfg.device)
+    why = problems(plan, cfg, capacity, colocated=not cfg.rollout_gpus)  # no --rollout-gpus: vLLM shares the GPU
+    lines = [plan.table(f"{world} trainer rank(s), {cfg.device}"),
+             "verdict: " + ("; ".join(why) if why else f"fits in {capacity / GIB:.1f} GiB" if capacity else
+                            "this machine cannot say how much memory the device has: compare the totals")]
+    if capacity and plan.engine and not why:
+        lines.append(f"vLLM holds ~{engine_concurrency(plan, capacity):.0f} samples at full context at once per "
+                     f"engine GPU; the rest of the batch queues")
+    return "\n".join(lines)
 
 
 def engine_concurrency(plan: Plan, capacity: int, mem_fraction: float = 0.9) -> float:

@@ -230,7 +230,7 @@ def engine_gap_check(gap: float, cfg) -> None:
 def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg) -> dict:
     """Steps 5-6 on a batch of complete, informative groups (the same batch on every rank); `version` is the
     policy version of the current weights. `policy` and `ref` are model.wrap()ped: they map a micro-batch to
-    response log-probs and entropy. `cfg` is train.py's Config. Returns the step's training metrics."""
+    response log-probs and entropy. `cfg` is config.py's Config. Returns the step's training metrics."""
     samples = [s for g in groups for s in g]
     minis = plan_micro_batches(samples, sample_advantages(groups), pad_id, cfg)
     stats, diff_max = prepare(policy, ref, minis, version, cfg)

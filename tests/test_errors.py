@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import checkpoint
+import config
 import data
+import logs
 import tiny
-import train
 from engine import Sampling, process_logits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,14 +58,14 @@ def run_train(*args, timeout=300):
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_a_wrong_flag_is_refused_with_its_name_and_value(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        train.parse_config(argv)
+        config.parse_config(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_booleans_take_the_usual_spellings():
     for text, value in (("true", True), ("Yes", True), ("1", True), ("false", False), ("NO", False), ("0", False)):
-        assert train.parse_config(["--pack", text]).pack is value
+        assert config.parse_config(["--pack", text]).pack is value
 
 
 def test_a_wrong_flag_stops_before_anything_loads():
@@ -174,7 +175,7 @@ def test_top_p_and_top_k_edge_values_keep_the_top_token():
 def test_nan_and_inf_statistics_are_written_as_null(tmp_path):
     path = tmp_path / "m.jsonl"
     with open(path, "w") as f:
-        train.write_record(f, {"step": 1, "entropy/mean": math.nan, "loss/kl": math.inf, "reward/mean": 0.5})
+        logs.write_record(f, {"step": 1, "entropy/mean": math.nan, "loss/kl": math.inf, "reward/mean": 0.5})
     assert json.loads(path.read_text()) == {"step": 1, "entropy/mean": None, "loss/kl": None, "reward/mean": 0.5}
 
 

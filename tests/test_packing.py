@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
+import config
 import model as model_lib
 import tiny
-import train
 from loss import policy_loss
 from segment_rollout import Sample
 
@@ -139,7 +139,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(loaded):
 
 def test_flags_and_presets():
     # padding by default: with sdpa a packed row gets a dense [L, L] mask (README, "Real models")
-    assert not train.parse_config([]).pack and not train.parse_config([]).gradient_checkpointing
-    assert train.parse_config(["--pack", "true"]).pack and train.parse_config([]).attn_implementation == "sdpa"
+    assert not config.parse_config([]).pack and not config.parse_config([]).gradient_checkpointing
+    assert config.parse_config(["--pack", "true"]).pack and config.parse_config([]).attn_implementation == "sdpa"
     for preset in ("ulorl", "prorl"):  # (on this CPU machine, with the data the presets leave to the user)
-        assert train.parse_config(["--preset", preset, "--device", "cpu", "--data", "tiny"]).gradient_checkpointing
+        assert config.parse_config(["--preset", preset, "--device", "cpu", "--data", "tiny"]).gradient_checkpointing

@@ -75,17 +75,17 @@ def test_a_run_that_cannot_fit_stops_before_loading(tmp_path):
 def test_plan_items_follow_the_flags(tmp_path):
     """Sharding divides weights, gradients and AdamW by the trainer ranks; checkpointing keeps only each
     layer's input; flash attention keeps no scores; a vLLM engine's weights split over --rollout-tp."""
-    import train
+    import config
     shape = plan_lib.Shape.of(Qwen3Config.from_pretrained(huge_config(tmp_path)))
     base = ["--model", "x", "--eval-data", "", "--max-tokens-per-micro-batch", "8192", "--max-response-len", "8000"]
-    one = plan_lib.make_plan(shape, train.parse_config(base), 1, 1, False)
-    eight = plan_lib.make_plan(shape, train.parse_config(base + ["--parallel", "fsdp"]), 8, 1, False)
+    one = plan_lib.make_plan(shape, config.parse_config(base), 1, 1, False)
+    eight = plan_lib.make_plan(shape, config.parse_config(base + ["--parallel", "fsdp"]), 8, 1, False)
     assert eight.trainer["AdamW moments"] == one.trainer["AdamW moments"] // 8 == 2 * shape.params() * 4 // 8
-    ckpt = plan_lib.make_plan(shape, train.parse_config(base + ["--gradient-checkpointing", "true"]), 1, 1, False)
+    ckpt = plan_lib.make_plan(shape, config.parse_config(base + ["--gradient-checkpointing", "true"]), 1, 1, False)
     assert ckpt.trainer["activations"] < one.trainer["activations"] / 10
-    flash = plan_lib.make_plan(shape, train.parse_config(base + ["--attn-implementation", "flash_attention_2"]), 1, 1, False)
+    flash = plan_lib.make_plan(shape, config.parse_config(base + ["--attn-implementation", "flash_attention_2"]), 1, 1, False)
     assert flash.trainer["attention scores"] == 0 < one.trainer["attention scores"]
-    cfg = train.parse_config(base)
+    cfg = config.parse_config(base)
     assert plan_lib.make_plan(shape, cfg, 1, 4, True).engine["weights"] == shape.params() * 4 // 4
 
 

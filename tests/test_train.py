@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+import config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTRACT_FLAGS = ["--model", "--data", "--steps", "--out", "--resume", "--seed", "--preset", "--engine", "--segments",
                   "--max-response-len", "--is-mode", "--mpt-tau", "--mpt-sigma", "--kl-coef", "--ref-reset-every",
@@ -107,16 +109,14 @@ def test_bad_dataset_row_names_file_row_and_field(tmp_path):
     (["--top-k", "20"], "--top-p 1.0 / --top-k 20: training samples with top_p 1"),
 ])
 def test_flags_the_objective_cannot_honour_are_refused(argv, message, capsys):
-    import train
     with pytest.raises(SystemExit):
-        train.parse_config(argv)
+        config.parse_config(argv)
     assert message in capsys.readouterr().err
-    assert train.parse_config(["--is-mode", "tois", "--segments", "1"]).is_mode == "tois"
+    assert config.parse_config(["--is-mode", "tois", "--segments", "1"]).is_mode == "tois"
 
 
 def test_reset_without_kl_warns_that_it_resets_only_the_optimizer(capsys):
-    import train
-    train.parse_config(["--ref-reset-every", "10"])
+    config.parse_config(["--ref-reset-every", "10"])
     assert "only clears the optimizer state" in capsys.readouterr().err
 
 

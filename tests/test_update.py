@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
+import config
 import loss
 import model as model_lib
-import train
 import ulorl
 from engine import HFEngine, Sampling
 from naive import PROMPTS, TOL, ids, make_row, naive_logprobs
@@ -81,7 +81,7 @@ def test_first_ratio_is_exactly_one_where_pi_old_is_the_current_weights(tok, mul
 def test_update_ratio_metrics(tok, multi_version, is_mode):
     policy, groups, _ = multi_version
     policy = copy.deepcopy(policy)
-    cfg = train.parse_config(["--is-mode", is_mode, "--mini-batch", "0", "--lr", "1e-3"])
+    cfg = config.parse_config(["--is-mode", is_mode, "--mini-batch", "0", "--lr", "1e-3"])
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = copy.deepcopy(policy.state_dict())
@@ -104,7 +104,7 @@ def test_update_ratio_max_is_a_max_over_micro_batches(tok, multi_version):
     old = torch.where(mb.versions == 2, current, mb.behaviour)  # SAIS: fresh tokens' pi_old is the trainer's
     true_max = torch.exp(current - old)[mb.resp_mask].max().item()
     assert true_max > 1.0 + 1e-4
-    cfg = train.parse_config(["--is-mode", "sais", "--mpt", "off", "--max-tokens-per-micro-batch", "40"])
+    cfg = config.parse_config(["--is-mode", "sais", "--mpt", "off", "--max-tokens-per-micro-batch", "40"])
     assert len(model_lib.micro_batches(samples, cfg.max_tokens_per_micro_batch)) > 1
     policy = copy.deepcopy(policy)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
@@ -155,7 +155,7 @@ def test_sais_uses_each_segments_own_policy(tok, lm, multi_version):
 def test_nan_loss_skips_the_update():
     """A verifier that returns NaN makes the advantages and the loss NaN: the update is skipped and reported,
     and the weights are untouched."""
-    cfg = train.parse_config(["--mpt", "off"])
+    cfg = config.parse_config(["--mpt", "off"])
     policy, tok = model_lib.load(cfg.model)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -217,7 +217,7 @@ def test_update_divides_by_every_response_token_under_dmmpts(tok, multi_version)
     policy, groups, _ = multi_version
     policy = copy.deepcopy(policy)
     samples = [s for g in groups for s in g]
-    cfg = train.parse_config(["--mpt", "static", "--mpt-tau", "0.05", "--segments", "1", "--max-response-len", "64"])
+    cfg = config.parse_config(["--mpt", "static", "--mpt-tau", "0.05", "--segments", "1", "--max-response-len", "64"])
     mb = model_lib.collate(samples, tok.pad_token_id)
     with torch.no_grad():
         current, entropy = model_lib.response_logprobs(policy.eval(), mb, cfg.temperature)

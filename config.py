@@ -1,0 +1,322 @@
+"""Every knob of a run: `Config` (one dataclass, every field a `--flag` whose help names the paper's value),
+the presets (`tiny`, the built-in default; `ulorl` and `prorl`, the papers' training settings) and the checks
+that stop a wrong flag before anything loads.
+
+    python train.py --help                  # these fields, as flags
+    python train.py --preset ulorl --model Qwen/Qwen3-4B --data dapo.parquet --lr 2e-6   # a preset, then flags
+
+(Kept apart from train.py, as TRL keeps `GRPOConfig` beside its trainer: ~90 flags with their checks would
+bury the loop.)
+"""
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+import data
+import reward
+import tiny
+
+
+def flag(default, help, choices=None, ok=None):
+    """A Config field: its --flag's default and help; `choices` (argparse's) or `ok`, a (test, what is allowed)
+    pair that parse_config checks before anything loads."""
+    return field(default=default, metadata={"help": help, "choices": choices, "ok": ok})
+
+
+def at_least(lo):
+    return lambda v: v >= lo, f"must be >= {lo}"
+
+
+POSITIVE = (lambda v: v > 0, "must be > 0")
+UNIT = (lambda v: 0 < v <= 1, "must be in (0, 1]")
+
+
+def boolean(text: str) -> bool:
+    """true/false, 1/0, yes/no (any case): anything else is refused, never read as false."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false (or 1/0, yes/no), got {text!r}")
+    return value
+
+
+@dataclass
+class Config:
+    # run
+    preset: str = flag("tiny", "tiny (built-in default), ulorl or prorl: the papers' training settings",
+                       choices=["tiny", "ulorl", "prorl"])
+    model: str = flag(tiny.CKPT, "hub name or local HF directory of the policy")
+    data: str = flag("tiny", "training prompts: 'tiny', a .jsonl/.json/.parquet file, a saved dataset, a hub name, "
+                             "rg:NAME[:SIZE] (Reasoning Gym), or a mixture 'a.jsonl@0.7,rg:chain_sum@0.3'")
+    eval_data: str = flag("tiny", "held-out prompts for --eval-every (same formats as --data); '' = none")
+    prompt_key: str = flag("prompt", "column holding the prompt (dotted paths reach nested columns)")
+    answer_key: str = flag("answer", "column holding the reference answer")
+    steps: int = flag(150, "training steps (one update phase each)",
+                      ok=at_least(1))
+    out: str = flag("runs/tiny", "output directory: metrics.jsonl, samples.jsonl, step_NNNNNN/ checkpoints")
+    resume: str = flag("", "checkpoint directory to continue from, or 'auto' for the newest in --out")
+    overwrite: bool = flag(False, "start a new run in an --out that holds one: its metrics.jsonl, samples.jsonl and "
+                                  "step_NNNNNN/ checkpoints are deleted first")
+    seed: int = flag(0, "seed for data order, sampling and init")
+    threads: int = flag(0, "CPU threads of torch; 0 = the cores idle when the run starts (on a small machine a busy "
+                           "neighbour slows a thread pool that counts on every core 2-20x); OMP_NUM_THREADS wins",
+                        ok=at_least(0))
+    engine: str = flag("auto", "rollout engine: hf (transformers), vllm, or auto (vLLM when installed and on GPU; "
+                               "else hf)",
+                       choices=["auto", "hf", "vllm"])
+    dtype: str = flag("float32", "float32, bfloat16 or float16 for the trainer's weights",
+                      choices=["float32", "bfloat16", "float16"])
+    device: str = flag("cpu", "torch device of the trainer")
+    parallel: str = flag("fsdp", "under torchrun: fsdp (FSDP2: each decoder layer, then the root, sharded over "
+                                 "the trainer ranks) or ddp (a full copy per rank)",
+                         choices=["fsdp", "ddp"])
+    rollout_gpus: str = flag("", "GPUs of the vLLM engine's own, e.g. '6,7', or a count taken from the last ones, "
+                                 "e.g. '2'; torchrun's trainer ranks use the others. Empty: the engine shares the "
+                                 "trainer's device (on a GPU it sleeps during the update; one trainer process)")
+    rollout_tp: int = flag(0, "tensor-parallel size of the engine over --rollout-gpus; 0 = all of them",
+                           ok=at_least(0))
+    rollout_mem: float = flag(0.25, "vLLM memory: on GPU the fraction of GPU memory it may take, on CPU GiB of KV cache",
+                              ok=POSITIVE)
+    rope_scaling_factor: float = flag(0.0, "YaRN rope scaling factor for trainer and engine alike; 0 = off "
+                                             "(UloRL 1.5; a model saved with YaRN in its config needs none)",
+                                      ok=(lambda v: v == 0 or v >= 1, "must be 0 (off) or >= 1"))
+    rope_original_max_positions: int = flag(0, "YaRN original_max_position_embeddings; the model then takes "
+                                               "factor x this positions (UloRL 95232 -> 142848); 0 = the config's",
+                                            ok=at_least(0))
+    # rollout (UloRL 3.1)
+    group_size: int = flag(8, "G responses per prompt (UloRL 8, ProRL 16)",
+                           ok=(lambda v: v >= 2, "must be >= 2: GRPO's advantage compares the samples of one "
+                                                 "prompt, and a lone sample has nothing to compare with"))
+    prompts_per_step: int = flag(16, "rollout batch in prompts: unfinished samples + new groups fill "
+                                     "prompts_per_step x G slots (UloRL 128, ProRL 256)",
+                                 ok=at_least(1))
+    segments: int = flag(4, "segments per response: each step decodes at most max_response_len / segments "
+                            "new tokens per sample (UloRL 8 x 16k)",
+                         ok=at_least(1))
+    max_response_len: int = flag(64, "global cap on response tokens; reaching it truncates (UloRL 128k)",
+                                 ok=at_least(1))
+    max_prompt_len: int = flag(64, "longer prompts are skipped (and counted)",
+                               ok=at_least(1))
+    temperature: float = flag(1.0, "sampling temperature (UloRL 0.85, ProRL 1.2)",
+                              ok=(lambda v: v > 0, "must be > 0 (logits are divided by it)"))
+    top_p: float = flag(1.0, "nucleus sampling: 1 in training (both papers): the trainer's log-probs are of the "
+                             "full distribution; eval.py --top-p samples held-out problems with it",
+                        ok=UNIT)
+    top_k: int = flag(-1, "top-k: -1 (off) in training (both papers), for the same reason; eval.py --top-k",
+                      ok=(lambda v: v >= -1, "must be -1 (off) or a number of tokens"))
+    # batch and optimizer
+    train_groups: int = flag(16, "train once this many informative complete groups are ready",
+                             ok=at_least(1))
+    mini_batch: int = flag(0, "samples per optimizer step; 0 = the whole batch, one update per step "
+                              "(UloRL 1024 = 128 x 8; ProRL 64 prompts x 16)",
+                           ok=at_least(0))
+    max_tokens_per_micro_batch: int = flag(4096, "tokens per forward/backward micro-batch: one packed row, "
+                                                 "or rows x longest with --pack false; a longer sample goes alone",
+                                           ok=at_least(1))
+    pack: bool = flag(False, "pack micro-batches: sequences back to back in one row, positions restarting, no "
+                             "attention across them; same loss as padding. Pays off with --attn-implementation "
+                             "flash_attention_2; with sdpa/eager the row gets a dense [L, L] mask (slower on CPU)")
+    attn_implementation: str = flag("sdpa", "the trainer's attention kernel: sdpa, eager, or flash_attention_2 "
+                                            "(GPU, needs the flash-attn package; the one for --pack)",
+                                     choices=["sdpa", "eager", "flash_attention_2", "flash_attention_3",
+                                              "flex_attention"])
+    gradient_checkpointing: bool = flag(False, "recompute each decoder layer in the backward: less activation "
+                                               "memory for long sequences, ~1/3 more compute")
+    lr: float = flag(3e-4, "AdamW learning rate, constant after warm-up (UloRL 1e-6, ProRL 2e-6)",
+                     ok=POSITIVE)
+    warmup_steps: int = flag(0, "linear learning-rate warm-up",
+                             ok=at_least(0))
+    weight_decay: float = flag(0.0, "AdamW weight decay",
+                               ok=at_least(0))
+    grad_clip: float = flag(1.0, "max gradient norm",
+                            ok=POSITIVE)
+    # loss (GRPO + DAPO's token-level loss; UloRL 3.1-3.2; ProRL)
+    eps_low: float = flag(0.2, "lower clip range: ratio >= 1 - eps_low (both papers 0.2)",
+                          ok=(lambda v: 0 <= v < 1, "must be in [0, 1)"))
+    eps_high: float = flag(0.2, "upper clip range: ratio <= 1 + eps_high (UloRL 0.2, ProRL 0.4)",
+                           ok=at_least(0))
+    agg: str = flag("token", "token: DAPO's token-level mean; sample: GRPO's per-response mean",
+                    choices=["token", "sample"])
+    is_mode: str = flag("pois", "pi_old under segment rollout (UloRL 3.1): pois (the current weights for every "
+                                "token), sais (each segment's own policy), tois (one segment only)",
+                        choices=["pois", "sais", "tois"])
+    mpt: str = flag("dynamic", "masking of well-mastered positive tokens: dynamic (DMMPTs), static, off",
+                    choices=["dynamic", "static", "off"])
+    mpt_tau: float = flag(0.99, "probability at which a positive sample's token counts as mastered (UloRL)",
+                          ok=UNIT)
+    mpt_sigma: float = flag(0.2, "target entropy: mask MPTs only while a sample's mean entropy is below it (UloRL)",
+                            ok=POSITIVE)
+    max_logprob_gap: float = flag(1.0, "the engine/trainer log-prob gap (rollout/logprob_diff_max, nats, on tokens the "
+                                       "current weights sampled) past which the engine is taken to be wrong; 0 = never",
+                                  ok=at_least(0))
+    on_logprob_gap: str = flag("stop", "stop (before the update) or warn when the gap passes --max-logprob-gap: a "
+                                       "wrong engine silently trains on garbage", choices=["stop", "warn"])
+    tis_cap: float = flag(0.0, "truncated importance sampling: weight each token's loss by min(pi_old / "
+                                "pi_behaviour, cap); corrects the engine/trainer mismatch on tokens the current "
+                                "weights sampled and, under pois, also the version gap of older segments; 0 = off",
+                          ok=at_least(0))
+    clip_ratio_c: float = flag(3.0, "dual clip: a negative advantage's per-token loss is at most -A x c however "
+                                    "large the ratio (verl's 3, which both papers trained with); 0 = off",
+                               ok=(lambda v: v == 0 or v > 1, "must be 0 (off) or > 1"))
+    dynamic_sampling: bool = flag(True, "drop groups whose rewards are all equal (DAPO, both papers)")
+    kl_coef: float = flag(0.0, "k3 KL penalty to a reference policy (UloRL 0, ProRL 1e-4)",
+                          ok=at_least(0))
+    ref_reset_every: int = flag(0, "every N steps reset the reference to the policy AND the optimizer "
+                                   "state (ProRL); 0 = never",
+                                ok=at_least(0))
+    ref_reset_on_stall: int = flag(0, "also reset them when held-out accuracy has not improved in K evaluations "
+                                      "in a row (ProRL's other trigger); 0 = never",
+                                   ok=at_least(0))
+    # reward (UloRL 3.3; ProRL's verifiable domains)
+    overlong: str = flag("zero", "truncated samples: zero (UloRL), soft (DAPO punishment), filter (no loss), none",
+                         choices=["zero", "soft", "filter", "none"])
+    overlong_buffer: int = flag(0, "soft punishment ramps over the last N tokens before the cap",
+                                ok=at_least(0))
+    reward_batch_timeout: float = flag(600.0, "seconds a rollout round's reward checks may take in all (hanging checks "
+                                              "queue behind each other, --reward-timeout each): what is left then "
+                                              "scores 0 and counts as a timeout; 0 = no bound",
+                                       ok=at_least(0))
+    reward_timeout: float = flag(5.0, "seconds per reward check; a check that takes longer scores 0",
+                                 ok=POSITIVE)
+    default_verifier: str = flag("math", "verifier of file rows without a 'verifier' field: math (last \\boxed{}, "
+                                         "else the last number), math_boxed (\\boxed{} only), code, ifeval, rg, tiny",
+                                 choices=sorted(reward.VERIFIERS))
+    verifier_model: str = flag("", "generative verifier (UloRL 3.3): hub name or local HF directory of the judge "
+                                   "model for math rows; '' = rule-based only")
+    verifier_mode: str = flag("second_opinion", "with --verifier-model: second_opinion (ask the judge when the "
+                                                "rule-based check says 0), alone (the judge decides), off",
+                              choices=["second_opinion", "alone", "off"])
+    verifier_max_tokens: int = flag(64, "tokens the judge may write before its yes/no (thinking models need more)",
+                                    ok=at_least(1))
+    # evaluation, logging, checkpoints
+    eval_every: int = flag(25, "evaluate on --eval-data every N steps (also before step 1 and after the last)",
+                           ok=at_least(0))
+    eval_n: int = flag(512, "held-out prompts per evaluation (one sample each)",
+                       ok=at_least(1))
+    save_every: int = flag(0, "checkpoint every N steps (0: only at the end, or on SIGTERM / Ctrl-C)",
+                           ok=at_least(0))
+    keep_last: int = flag(3, "keep the newest N checkpoints (0: all)",
+                          ok=at_least(0))
+    max_bad_steps: int = flag(3, "stop after this many updates in a row skipped for a NaN/inf loss or gradient",
+                              ok=at_least(1))
+    report_to: str = flag("none", "also send every metrics.jsonl record to tensorboard (event files in --out/tb), "
+                                  "wandb (offline unless WANDB_MODE=online), or both: 'tensorboard,wandb'",
+                          ok=(lambda v: set(v.split(",")) <= {"none", "tensorboard", "wandb"},
+                              "must be none, tensorboard, wandb or 'tensorboard,wandb'"))
+    plan: bool = flag(False, "print the memory plan (per trainer rank, per engine GPU, from config.json alone) and exit")
+    dump_samples: int = flag(256, "samples.jsonl records per step (0: none)",
+                             ok=at_least(0))
+
+
+PRESETS = {
+    "tiny": {},
+    "ulorl": dict(model="Qwen/Qwen3-30B-A3B", dtype="bfloat16", device="cuda", group_size=8, prompts_per_step=128,
+                  segments=8, max_response_len=131072, max_prompt_len=2048, temperature=0.85, train_groups=128,
+                  mini_batch=1024, lr=1e-6, eps_low=0.2, eps_high=0.2, is_mode="pois", mpt="dynamic",
+                  mpt_tau=0.99, mpt_sigma=0.2, kl_coef=0.0, overlong="zero", max_tokens_per_micro_batch=65536,
+                  gradient_checkpointing=True, rope_scaling_factor=1.5, rope_original_max_positions=95232,
+                  eval_every=10, eval_n=30, save_every=10, dump_samples=16, data="", eval_data=""),
+    "prorl": dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", dtype="bfloat16", device="cuda",
+                  group_size=16, prompts_per_step=256, segments=1, max_response_len=8192, max_prompt_len=2048,
+                  temperature=1.2, train_groups=256, mini_batch=1024, lr=2e-6, eps_low=0.2, eps_high=0.4,
+                  mpt="off", kl_coef=1e-4, ref_reset_every=500, overlong="zero",
+                  max_tokens_per_micro_batch=32768, gradient_checkpointing=True, eval_every=50, eval_n=256,
+                  save_every=50, dump_samples=16, data="", eval_data=""),
+}
+
+
+def parse_config(argv=None, description: str = __doc__) -> Config:
+    """The command line as a Config: the preset's values, then the flags given. Every value is checked here,
+    before any model or data loads; a wrong one stops the run with a message naming the flag. `description`
+    heads --help (train.py passes its own docstring)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(Config):
+        flag_kw = dict(type=boolean, nargs="?", const=True) if f.type is bool else dict(type=f.type)  # --pack = --pack true
+        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"],
+                       choices=f.metadata["choices"], **flag_kw)
+    args = p.parse_args(argv)
+    p.set_defaults(**PRESETS[args.preset])  # preset values, then whatever the command line says
+    cfg = Config(**vars(p.parse_args(argv)))
+    for f in dataclasses.fields(cfg):
+        name, value, ok = "--" + f.name.replace("_", "-"), getattr(cfg, f.name), f.metadata["ok"]
+        if isinstance(value, float) and not math.isfinite(value):
+            p.error(f"{name} {value}: must be a finite number")
+        if ok and not ok[0](value):
+            p.error(f"{name} {value}: {ok[1]}")
+    for problem in config_problems(cfg):
+        p.error(problem)
+    if (cfg.ref_reset_every or cfg.ref_reset_on_stall) and cfg.kl_coef == 0:
+        print("warning: --ref-reset-every/--ref-reset-on-stall with --kl-coef 0: there is no reference, so a "
+              "reset only clears the optimizer state", file=sys.stderr, flush=True)
+    return cfg
+
+
+def config_problems(cfg: Config) -> list[str]:
+    """What is wrong with a combination of flags (each value alone passed its own check)."""
+    out = []
+    if cfg.max_response_len % cfg.segments:
+        out.append(f"--max-response-len {cfg.max_response_len} must be a multiple of --segments {cfg.segments}")
+    if cfg.is_mode == "tois" and cfg.segments > 1:
+        out.append(f"--is-mode tois is defined for one segment (every token sampled by the weights being updated); "
+                   f"with --segments {cfg.segments} use sais or pois")
+    if cfg.top_p < 1 or cfg.top_k > 0:
+        out.append(f"--top-p {cfg.top_p} / --top-k {cfg.top_k}: training samples with top_p 1 and no top-k (both "
+                   f"papers): the trainer's log-probs are over the full distribution, so a truncated one would bias "
+                   f"every ratio, DMMPT probability and entropy. Use them for evaluation (eval.py --top-p/--top-k)")
+    if not (cfg.device == "cpu" or cfg.device == "cuda" or cfg.device.startswith("cuda:")):
+        out.append(f"--device {cfg.device}: must be cpu, cuda or cuda:N")
+    elif cfg.device.startswith("cuda") and not torch.cuda.is_available() and not cfg.plan:  # planning needs no GPU
+        out.append(f"--device {cfg.device}: this machine has no CUDA GPU that torch can use "
+                   f"(torch {torch.__version__}, torch.cuda.is_available() is False); use --device cpu")
+    if cfg.device.startswith("cuda") and cfg.rollout_mem > 1:
+        out.append(f"--rollout-mem {cfg.rollout_mem}: on GPU it is the fraction of GPU memory vLLM may take, <= 1")
+    if cfg.resume and cfg.overwrite:
+        out.append(f"--resume {cfg.resume} and --overwrite say opposite things: continue the run, or start again")
+    for flag_name, spec in (("--data", cfg.data), ("--eval-data", cfg.eval_data)) if not cfg.plan else ():
+        if not spec:
+            if flag_name == "--data":
+                out.append("--data is empty: name the training prompts (the ulorl and prorl presets leave them to "
+                           "you), e.g. --data train.parquet")
+            continue
+        try:
+            sources = data.parse_mixture(spec)
+        except ValueError as e:
+            out.append(str(e).replace("--data", flag_name, 1))
+            continue
+        for source, _ in sources:
+            path = os.path.expanduser(source)
+            if (path.endswith(data.SUFFIXES) or path.startswith(("/", "."))) and not os.path.exists(path):
+                out.append(f"{flag_name} {spec}: no such file or directory: {path}")
+    if cfg.rollout_gpus:
+        if not all(part.strip().isdigit() for part in cfg.rollout_gpus.split(",")):
+            out.append(f"--rollout-gpus {cfg.rollout_gpus}: GPU ids ('6,7') or a count ('2')")
+        elif not cfg.device.startswith("cuda") or cfg.engine == "hf":
+            out.append(f"--rollout-gpus {cfg.rollout_gpus}: GPUs of its own are for the vLLM engine on GPU "
+                       f"(--engine vllm --device cuda)")
+    elif cfg.device.startswith("cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1 and cfg.engine == "vllm":
+        out.append("--engine vllm under torchrun on GPU: give the engine GPUs of its own with --rollout-gpus (sharing "
+                   "a GPU, with vLLM asleep during the update, is for one trainer process)")
+    if cfg.rollout_tp and not cfg.rollout_gpus:
+        out.append(f"--rollout-tp {cfg.rollout_tp}: tensor parallelism is over --rollout-gpus; give those")
+    return out
+
+
+def rollout_gpus(cfg: Config, local_ranks: int) -> list[int]:
+    """--rollout-gpus as GPU ids: '6,7' as given, '2' the last two of this machine; none may be a trainer's
+    (local rank r trains on cuda:r)."""
+    if not cfg.rollout_gpus:
+        return []
+    parts = [int(p) for p in cfg.rollout_gpus.split(",")]
+    count = torch.cuda.device_count()
+    gpus = parts if "," in cfg.rollout_gpus else list(range(count - parts[0], count))
+    if not gpus or min(gpus) < local_ranks or max(gpus) >= count:
+        raise ValueError(f"--rollout-gpus {cfg.rollout_gpus}: GPUs {gpus} of {count}, but the {local_ranks} trainer "
+                         f"process(es) of this machine use cuda:0..{local_ranks - 1}; leave those to training")
+    if cfg.rollout_tp and cfg.rollout_tp != len(gpus):
+        raise ValueError(f"--rollout-tp {cfg.rollout_tp}: the engine is tensor-parallel over all {len(gpus)} "
+                         f"--rollout-gpus (data-parallel replicas are not built)")
+    return gpus
