@@ -45,7 +45,7 @@ FINDINGS = {
     "length": dict(steps=150, common=[], variants={
         f"len{n}": ["--max-response-len", str(n), "--segments", str(n // 16)] for n in (16, 32, 48, 64)}),
     # ProRL's recipe where it differs from the tiny default: no DMMPTs, decoupled clip 0.2 / 0.4
-    "boundary": dict(steps=300, common=["--mpt", "off", "--eps-high", "0.4"], variants={
+    "boundary": dict(steps=200, common=["--mpt", "off", "--eps-high", "0.4"], variants={
         "no-kl": [], "kl": ["--kl-coef", str(BETA)],
         "kl+reset": ["--kl-coef", str(BETA), "--ref-reset-every", str(RESET_EVERY)]}),
 }
@@ -300,7 +300,9 @@ def finding_passk(root: str, models: list[str], figure: str, k: int, n: int) -> 
 
 def finding_boundary(runs: dict, steps: int, figure: str, root: str, seeds: list[int], k: int, n: int) -> dict:
     numbers = common_numbers(runs, steps)
-    print_table(numbers, ["eval_first", "eval_last", "entropy_last20", "run_s"])
+    for v, per_seed in runs.items():  # k3 KL to the (current) reference, per token, over the run
+        numbers[v]["kl_mean"] = spread([window_mean(rs, "loss/kl", 1, steps) for rs in per_seed])
+    print_table(numbers, ["eval_first", "eval_last", "entropy_last20", "kl_mean", "run_s"])
     folder = os.path.join(root, "boundary")
     reports = passk_reports(folder, {v: [os.path.join(folder, f"{v}_s{s}") for s in seeds] for v in runs}, k, n)
     lines, passk = passk_numbers(reports, k, n)
@@ -310,6 +312,8 @@ def finding_boundary(runs: dict, steps: int, figure: str, root: str, seeds: list
         {"title": f"pass@k, {n} held-out problems, {k} samples each", "xlabel": "k", "logx": True, "lines": lines},
         {"title": "held-out accuracy (512 problems)", "xlabel": "step", "style": "o-", "lines": curves(runs, "eval/accuracy")},
         {"title": "mean token entropy (trailing mean of 5 steps)", "xlabel": "step", "lines": curves(runs, "entropy/mean", 5)},
+        {"title": "k3 KL to the reference per token (trailing mean of 5)", "xlabel": "step",
+         "lines": curves({v: rs for v, rs in runs.items() if any(r.get("loss/kl") for run in rs for r in run)}, "loss/kl", 5)},
     ], figure, f"Reasoning boundary and prolonged RL (KL {BETA}, resets every {RESET_EVERY} steps): mean over seeds, "
                f"band = lowest to highest seed")
     return numbers
