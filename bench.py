@@ -31,7 +31,9 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -118,7 +120,6 @@ def unbucketed(engine, bucket: bool):
 def controlled_data(path: str, n: int, seed: int, long_frac: float = 0.1) -> str:
     """Tiny-task prompts with a controlled long tail: 2 terms (a 6-token response) or, with probability
     `long_frac`, 12 terms (~58 tokens: at the default 64-token cap)."""
-    import random
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(n):
@@ -269,9 +270,6 @@ def simulate_segments(segments: int, length, cap: int, prompts: int, group: int,
 
 def long_tail(seed: int, cap: int, median: float, sigma: float):
     """length(uid): a lognormal response length (`median`, `sigma` of its log) in units, cut at `cap`."""
-    import math
-    import random
-
     def length(uid: int) -> int:
         r = random.Random(seed * 1_000_003 + uid)
         return max(1, min(cap, round(median * math.exp(sigma * r.gauss(0, 1)))))

@@ -19,10 +19,11 @@ response scores 0): a program passing half its tests or a puzzle scored 0.5 coun
 reported beside, not toward avg@k / pass@k / maj@k. train.py's held-out evaluation runs through `evaluate`
 here too (k = 1, one segment). `--segments S` decodes every response in S segments of at most
 max_response_len / S tokens, refilling the batch with new problems as samples finish
-(segment_rollout.rollout_step, as in training), so one long response does not hold a whole batch. With the weights fixed this changes only scheduling:
-the transformers engine draws each token's random number from (seed, sample, position) alone, so the
-responses are the same as unsegmented decoding, sampled or greedy. vLLM seeds a request once per call,
-so there segmented sampled responses are other draws from the same distribution.
+(segment_rollout.rollout_step, as in training), so one long response does not hold a whole batch. With the
+weights fixed this changes only scheduling: the transformers engine draws each token's random number from
+(seed, sample, position) alone, so the responses are the same as unsegmented decoding, sampled or greedy.
+vLLM seeds a request once per call, so there segmented sampled responses are other draws from the same
+distribution.
 """
 import argparse
 import functools

@@ -105,9 +105,8 @@ def variant_curves(seeds: list[list[dict]], key: str, smooth: int = 1) -> tuple[
     per_run = []
     for records in seeds:
         steps, values = series(records, key)
-        window = [sum(values[max(0, i - smooth + 1):i + 1]) / len(values[max(0, i - smooth + 1):i + 1])
-                  for i in range(len(values))]
-        per_run.append(dict(zip(steps, window)))
+        windows = [values[max(0, i - smooth + 1):i + 1] for i in range(len(values))]
+        per_run.append({step: sum(w) / len(w) for step, w in zip(steps, windows)})
     common = sorted(set.intersection(*(set(r) for r in per_run))) if per_run else []
     rows = [[r[s] for r in per_run] for s in common]
     return common, [sum(v) / len(v) for v in rows], [min(v) for v in rows], [max(v) for v in rows]

@@ -15,6 +15,7 @@ newest checkpoint. `--jobs 2` runs two at a time (one thread each). Flags this s
 every train.py run, after the finding's own (the smoke test shrinks the runs this way: `--steps 2 ...`).
 """
 import argparse
+import glob
 import json
 import os
 import random
@@ -26,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py, eval.py, plot.py and tiny.py live one folder up
 
+import checkpoint  # noqa: E402
 import eval as eval_lib  # noqa: E402
 import plot  # noqa: E402
 import tiny  # noqa: E402
@@ -65,7 +67,7 @@ def train(run_dir: str, flags: list[str], steps: int) -> None:
     """One train.py run into `run_dir` (its stdout in run_dir + '.log'), unless it already reached `steps`."""
     if last_step(run_dir) >= steps:
         return
-    has_checkpoint = os.path.isdir(run_dir) and any(d.startswith("step_") for d in os.listdir(run_dir))
+    has_checkpoint = bool(checkpoint.list_checkpoints(run_dir))
     cmd = [sys.executable, "train.py", *flags, "--steps", str(steps), "--out", run_dir, "--threads", "1",
            "--save-every", "50", "--keep-last", "1", "--dump-samples", "0",
            *(["--resume", "auto"] if has_checkpoint else ["--overwrite", "true"])]
@@ -209,8 +211,7 @@ def evaluate_at(model_dir: str, report: str, max_len: int, k: int, n: int) -> di
 
 
 def final_checkpoint(run_dir: str) -> str:
-    steps = sorted(d for d in os.listdir(run_dir) if d.startswith("step_") and not d.endswith(".tmp"))
-    return os.path.join(run_dir, steps[-1])
+    return os.path.join(run_dir, checkpoint.list_checkpoints(run_dir)[-1])
 
 
 def finding_length(runs: dict, steps: int, figure: str, root: str, seeds: list[int]) -> dict:
@@ -283,7 +284,6 @@ def passk_numbers(reports: dict[str, list[dict]], k: int, n: int) -> tuple[dict,
 
 def finding_passk(root: str, models: list[str], figure: str, k: int, n: int) -> dict:
     """pass@k of the warm start against finished runs (ROOT/FINDING/VARIANT_s*), no training."""
-    import glob
     run_dirs = {m: sorted(glob.glob(os.path.join(root, m + "_s*[0-9]"))) for m in models}
     missing = [m for m, dirs in run_dirs.items() if not dirs]
     if missing:
