@@ -255,8 +255,8 @@ def simulate_segments(segments: int, length, cap: int, prompts: int, group: int,
     for step in range(warmup + steps):
         rounds = 0
         while rounds == 0 or len(ready) < train_groups:
-            free = prompts * group - len(pools.unfinished)
-            new = [pools.new_group([0] * 4, {}, group) for _ in range(0 if len(ready) >= train_groups else free // group)]
+            open_slots = prompts * group - len(pools.unfinished)
+            new = [pools.new_group([0] * 4, {}, group) for _ in range(0 if len(ready) >= train_groups else open_slots // group)]
             rollout_step(eng, pools, new, cap // segments, cap, None, 0)
             ready += [pools.pop_group(g[0].group) for g in pools.ready_groups(group)]
             rounds += 1
@@ -488,7 +488,8 @@ def bench_trl(args, train_flags: list[str]) -> dict:
     # identical settings: one rollout of prompts_per_step x G, one optimizer step on all of it, DAPO token-level
     # loss, no KL, no dynamic sampling and no DMMPTs (TRL has neither)
     common = ["--eval-data", "", "--dump-samples", "0", "--save-every", "0", "--keep-last", "1", "--seed",
-              str(args.seed), "--dynamic-sampling", "false", "--mpt", "off", "--kl-coef", "0", *train_flags]
+              str(args.seed), "--dynamic-sampling", "false", "--mpt", "off", "--kl-coef", "0", "--lr-final", "1",
+              *train_flags]  # TRL's side runs a constant learning rate
     cfg = train.parse_config(common)
     train_groups = ["--train-groups", str(cfg.prompts_per_step)]
     policy, tokenizer = model_lib.load(cfg.model, cfg.dtype, "cpu")

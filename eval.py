@@ -152,7 +152,8 @@ def sample_all(engine, prompt_ids: list[list[int]], rows: list[dict], k: int, ma
     pools, segment_len = pools or Pools(), -(-max_len // segments)
     done, nxt = {}, 0
     first_group = pools.next_group
-    with tqdm(total=len(rows), desc="eval", unit="problem", leave=False) as bar:
+    # disable=None: a bar on a terminal only; piped, its carriage returns would glue it to the next line
+    with tqdm(total=len(rows), desc="eval", unit="problem", leave=False, disable=None) as bar:
         while nxt < len(rows) or pools.unfinished:
             new = []
             while nxt < len(rows) and (len(pools.unfinished) + (len(new) + 1) * k <= batch

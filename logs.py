@@ -43,6 +43,7 @@ class RunLog:
     def __init__(self, cfg, resumed_step: int | None):
         self.metrics = open_for_append(os.path.join(cfg.out, "metrics.jsonl"), resumed_step)
         self.samples = open_for_append(os.path.join(cfg.out, "samples.jsonl"), resumed_step)
+        self.first = {} if resumed_step is not None else {"git": git_hash(), "config": dataclasses.asdict(cfg)}
         self.tb = self.wandb = None
         targets = set(cfg.report_to.split(","))
         try:
@@ -58,9 +59,11 @@ class RunLog:
             raise ValueError(f"--report-to {cfg.report_to}: {e.name} is not installed (pip install tensorboard "
                              f"wandb)") from None
 
-    def record(self, rec: dict, **extra) -> None:
-        """One metrics.jsonl line (`rec` and `extra`, e.g. the config); `rec`'s finite numbers to the trackers."""
-        write_record(self.metrics, {**rec, **extra})
+    def record(self, rec: dict) -> None:
+        """One metrics.jsonl line; a new run's first also holds the git hash and the config. `rec`'s finite
+        numbers go to the trackers."""
+        write_record(self.metrics, {**rec, **self.first})
+        self.first = {}
         numbers = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)}
         if self.tb is not None:
             for k, v in numbers.items():

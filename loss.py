@@ -57,8 +57,8 @@ def mpt_mask(logprobs: torch.Tensor, entropy: torch.Tensor, rewards: torch.Tenso
     well-mastered positive tokens (a sample with reward >= 1, token probability >= tau) of samples whose mean
     token entropy over their response (where mask is 1) is below sigma. Padding (mask 0) stays True: combine
     with `mask` to get the tokens that train. sigma=inf gives the static variant (always mask MPTs)."""
-    m = mask.float()
-    mean_entropy = torch.where(mask.bool(), entropy, 0).sum(1) / m.sum(1).clamp(min=1)  # [B]; padding may hold inf
+    # [B]; padding may hold inf
+    mean_entropy = torch.where(mask.bool(), entropy, 0).sum(1) / mask.float().sum(1).clamp(min=1)
     masked_sample = (rewards >= 1) & (mean_entropy < sigma)  # [B]
     mastered = logprobs.exp() >= tau  # [B, T]
     return ~(masked_sample[:, None] & mastered & mask.bool())
@@ -113,8 +113,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     to minimise (UloRL Eq. 10 with the DMMPT mask).
 
     logprobs, old_logprobs, mask: [B, T]; advantages: [B] or [B, T].
-    mask: 1 for every token the loss averages over (its denominator): the response tokens of samples that
-      are not filtered out. Each keeps its KL term.
+    mask: the loss mask (the trainer's `loss_mask`): 1 for every token the loss averages over (its
+      denominator), the response tokens of samples that are not filtered out. Each keeps its KL term.
     pg_mask: 1 where the policy-gradient term counts (default: mask). DMMPTs drop the term of well-mastered
       positive tokens, and only the term: they stay in the denominator and keep their KL (UloRL Eq. 10:
       1/sum_i|o_i| * sum_i sum_t [1 - I_msk(i,t)] * min(r A, clip(r) A)).
@@ -129,8 +129,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     tis_cap: truncated importance sampling (tis_weights, needs behaviour_logprobs); None = off.
     Metrics: ratio and clip statistics are means over pg_mask tokens, the KL over mask tokens.
     """
-    m = mask.bool()
-    pg = m if pg_mask is None else pg_mask.bool() & m
+    loss_mask = mask.bool()
+    pg_mask = loss_mask if pg_mask is None else pg_mask.bool() & loss_mask
     adv = advantages[:, None] if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
     ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
@@ -139,14 +139,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * clip_ratio_c), per_token)
     if tis_cap is not None:
         per_token = per_token * tis_weights(old_logprobs, behaviour_logprobs, tis_cap)
-    per_token = torch.where(pg, per_token, 0)  # padding may hold inf/nan: drop, not 0 * x
+    per_token = torch.where(pg_mask, per_token, 0)  # padding may hold inf/nan: drop, not 0 * x
     kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(logprobs)
-    per_token = torch.where(m, per_token + kl_coef * kl, 0)
+    per_token = torch.where(loss_mask, per_token + kl_coef * kl, 0)
 
     if agg == "token":
-        total, n = per_token.sum(), m.sum()
+        total, n = per_token.sum(), loss_mask.sum()
     elif agg == "sample":
-        tokens = m.sum(1)  # [B]
+        tokens = loss_mask.sum(1)  # [B]
         total, n = (per_token.sum(1) / tokens.clamp(min=1)).sum(), (tokens > 0).sum()
     else:
         raise ValueError(f"agg must be 'token' or 'sample', got {agg!r}")
@@ -154,16 +154,16 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     loss = total / n.clamp(min=1)
 
     with torch.no_grad():
-        n_pg, n_m = max(int(pg.sum()), 1), max(int(m.sum()), 1)
+        pg_tokens, loss_tokens = max(int(pg_mask.sum()), 1), max(int(loss_mask.sum()), 1)
         adv_full = adv.expand_as(ratio)
         metrics = {
             "loss/policy": loss.item(),
-            "loss/kl": torch.where(m, kl, 0).sum().item() / n_m,
-            "clip/low_frac": ((adv_full < 0) & (ratio < 1 - eps_low) & pg).sum().item() / n_pg,
-            "clip/high_frac": ((adv_full > 0) & (ratio > 1 + eps_high) & pg).sum().item() / n_pg,
-            "clip/dual_frac": ((adv_full < 0) & (ratio > clip_ratio_c) & pg).sum().item() / n_pg
+            "loss/kl": torch.where(loss_mask, kl, 0).sum().item() / loss_tokens,
+            "clip/low_frac": ((adv_full < 0) & (ratio < 1 - eps_low) & pg_mask).sum().item() / pg_tokens,
+            "clip/high_frac": ((adv_full > 0) & (ratio > 1 + eps_high) & pg_mask).sum().item() / pg_tokens,
+            "clip/dual_frac": ((adv_full < 0) & (ratio > clip_ratio_c) & pg_mask).sum().item() / pg_tokens
                               if clip_ratio_c else 0.0,
-            "ratio/mean": torch.where(pg, ratio, 0).sum().item() / n_pg,
-            "ratio/max": ratio[pg].max().item() if pg.any() else 1.0,
+            "ratio/mean": torch.where(pg_mask, ratio, 0).sum().item() / pg_tokens,
+            "ratio/max": ratio[pg_mask].max().item() if pg_mask.any() else 1.0,
         }
     return loss, metrics

@@ -221,8 +221,8 @@ class MicroBatch:
     adv: torch.Tensor | None = None  # [b]
     old: torch.Tensor | None = None  # [b, T]: pi_old
     ref: torch.Tensor | None = None  # [b, T]: the reference policy's log-probs (KL)
-    counted: torch.Tensor | None = None  # [b, T] bool: the tokens the loss averages over (its denominator)
-    keep: torch.Tensor | None = None  # [b, T] bool: the counted tokens whose policy-gradient term trains
+    loss_mask: torch.Tensor | None = None  # [b, T] bool: the tokens the loss averages over (its denominator)
+    pg_mask: torch.Tensor | None = None  # [b, T] bool: the loss_mask tokens whose policy-gradient term trains
     empty: bool = False  # a stand-in that trains nothing (ranks with fewer micro-batches run these)
 
     def to(self, device) -> "MicroBatch":

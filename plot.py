@@ -5,11 +5,15 @@ the legend names its directory). Null values (the step-0 record has no training 
     python plot.py runs/tiny runs/tiny_vllm --out /tmp/plots
     python plot.py runs/findings/dmmpt/* --seeds      # runs named NAME_s0, NAME_s1: one line per NAME (the mean
                                                       # over seeds), a band from the lowest to the highest seed
+    python plot.py runs/tiny --keys loss/kl,clip/high_frac   # any metrics.jsonl keys, one panel each: KEYS.png
 
 Writes reward.png (rollout reward and held-out accuracy), entropy.png (with DMMPTs' target sigma from the
-first run's config), masked.png, length.png (mean and max response tokens), unfinished.png, step_time.png
-and eval.png (accuracy, mean length, truncation rate of every evaluation); for a run that mixes domains,
-reward_by_verifier.png (the mean reward of each verifier). A figure with no data in any run is not written.
+first run's config), masked.png (tokens DMMPTs drop from the policy-gradient term; tokens --overlong filter
+drops from the loss), length.png (mean and max response tokens), unfinished.png (the unfinished pool, and the
+trained samples that took more than one segment), step_time.png and eval.png (accuracy, mean length,
+truncation rate of every evaluation); for a run that mixes domains, reward_by_verifier.png (the mean reward
+of each verifier). A figure with no data in any run is not written. A new figure is one more FIGURES entry.
+Colour is the run (or, with --seeds, the variant); line style is the metric.
 
 `variant_curves` and `panel_figure` draw the side-by-side figures of experiments/findings.py and bench.py.
 """
@@ -27,9 +31,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 FIGURES = {
     "reward.png": [("reward and held-out accuracy", [("reward/mean", "-"), ("eval/accuracy", "o--")])],
     "entropy.png": [("mean token entropy (line: target sigma)", [("entropy/mean", "-")])],
-    "masked.png": [("fraction of response tokens masked (DMMPTs)", [("mpt/masked_frac", "-")])],
+    "masked.png": [("response tokens out of the policy-gradient term (DMMPTs)", [("mpt/masked_frac", "-")]),
+                   ("response tokens out of the loss (--overlong filter)", [("overlong/filtered_frac", "-")])],
     "length.png": [("response tokens (trained samples)", [("response/mean_len", "-"), ("response/max_len", ":")])],
-    "unfinished.png": [("unfinished pool (samples)", [("rollout/unfinished", "-")])],
+    "unfinished.png": [("unfinished pool (samples)", [("rollout/unfinished", "-")]),
+                       ("trained samples decoded in more than one segment", [("response/multi_segment_frac", "-")])],
     "step_time.png": [("step time (s)", [("time/step_s", "-")])],
     "eval.png": [("held-out accuracy", [("eval/accuracy", "o-")]),
                  ("held-out mean length", [("eval/mean_length", "o-")]),
@@ -115,15 +121,17 @@ def variant_curves(seeds: list[list[dict]], key: str, smooth: int = 1) -> tuple[
 def panel_figure(panels: list[dict], path: str, title: str = "") -> str:
     """One PNG, one subplot per panel, side by side. A panel: {"title", "xlabel", "ylabel" (optional),
     "lines": {label: (xs, ys, low, high)} (low/high None: no band), "hlines": {label: y} (optional),
-    "logx": bool (optional), "style": a matplotlib format such as "o-" (optional)}. Colours follow the
-    order of the labels, the same in every panel."""
+    "logx": bool (optional), "style": a matplotlib format such as "o-" (optional), "styles": {label: format}
+    and "colors": {label: colour group} (optional: lines of one group share a colour)}. Colours follow the
+    order of the labels (or groups), the same in every panel."""
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.9), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    labels = list(dict.fromkeys(label for p in panels for label in p["lines"]))
+    groups = list(dict.fromkeys(p.get("colors", {}).get(label, label) for p in panels for label in p["lines"]))
     for ax, p in zip(axes[0], panels):
         for label, (xs, ys, low, high) in p["lines"].items():
-            color = colors[labels.index(label) % len(colors)]
-            ax.plot(xs, ys, p.get("style", "-"), color=color, label=label, markersize=3, linewidth=1.5)
+            color = colors[groups.index(p.get("colors", {}).get(label, label)) % len(colors)]
+            style = p.get("styles", {}).get(label, p.get("style", "-"))
+            ax.plot(xs, ys, style, color=color, label=label, markersize=3, linewidth=1.5)
             if low is not None:
                 ax.fill_between(xs, low, high, color=color, alpha=0.2, linewidth=0)
         for label, y in p.get("hlines", {}).items():
@@ -145,24 +153,32 @@ def panel_figure(panels: list[dict], path: str, title: str = "") -> str:
     return path
 
 
-def seed_figures(groups: dict[str, list[list[dict]]], out: str, sigma: float | None) -> list[str]:
-    """plot.py --seeds: every figure of FIGURES with one line per variant (mean over seeds) and its band."""
+def seed_figures(groups: dict[str, list[list[dict]]], figures: dict, out: str, sigma: float | None) -> list[str]:
+    """plot.py --seeds: every figure of `figures` with one line per variant and metric (the mean over seeds) and
+    its band; a variant keeps one colour, a metric one line style."""
     written = []
-    for fname, panels in FIGURES.items():
-        spec = []
-        for title, keys in panels:
-            lines = {}
-            for name, seeds in groups.items():
-                for key, style in keys:
-                    steps, mean, low, high = variant_curves(seeds, key, 1 if "eval/" in key else 5)
-                    if steps:
-                        lines[name if len(keys) == 1 else f"{name}: {key}"] = (steps, mean, low, high)
-            if lines:
-                spec.append({"title": title, "xlabel": "step", "lines": lines,
-                             "hlines": {f"sigma {sigma}": sigma} if sigma is not None and fname == "entropy.png" else {}})
-        if spec:
+    for fname, panels in figures.items():
+        if spec := seed_panels(groups, panels, sigma if fname == "entropy.png" else None):
             written.append(panel_figure(spec, os.path.join(out, fname)))
     return written
+
+
+def seed_panels(groups: dict[str, list[list[dict]]], panels: list, sigma: float | None = None) -> list[dict]:
+    """panel_figure's panels for one figure of FIGURES' form: per (variant, metric) the mean over seeds and its
+    band, coloured by variant, styled by metric. Panels without data are left out."""
+    spec = []
+    for title, keys in panels:
+        lines, colours, styles = {}, {}, {}
+        for name, seeds in groups.items():
+            for key, style in keys:
+                steps, mean, low, high = variant_curves(seeds, key, 1 if "eval/" in key else 5)
+                if steps:
+                    label = name if len(keys) == 1 else f"{name}: {key}"
+                    lines[label], colours[label], styles[label] = (steps, mean, low, high), name, style
+        if lines:
+            spec.append({"title": title, "xlabel": "step", "lines": lines, "colors": colours, "styles": styles,
+                         "hlines": {f"sigma {sigma}": sigma} if sigma is not None else {}})
+    return spec
 
 
 def main(argv=None) -> list[str]:
@@ -172,6 +188,8 @@ def main(argv=None) -> list[str]:
     p.add_argument("--seeds", action="store_true", help="runs named NAME_sSEED: one line per NAME, the mean over "
                                                         "its seeds, with a band from the lowest to the highest "
                                                         "(per-step metrics: a trailing mean over 5 steps)")
+    p.add_argument("--keys", default="", help="comma-separated metrics.jsonl keys: one figure, a panel per key, "
+                                              "instead of the standard figures")
     args = p.parse_args(argv)
     runs = {}
     for d in args.runs:
@@ -181,21 +199,28 @@ def main(argv=None) -> list[str]:
     sigma = config.get("mpt_sigma")  # DMMPTs mask while a sample's entropy is below this (UloRL 3.2)
     out = args.out or args.runs[0]
     os.makedirs(out, exist_ok=True)
-    if args.seeds:
-        written = seed_figures(seed_groups(runs), out, sigma)
-        print("wrote " + " ".join(written))
-        return written
-    written, figures = [], dict(FIGURES)
+    figures = dict(FIGURES)
     domains = sorted({k for recs in runs.values() for r in recs for k in r if k.startswith("reward/by_verifier/")})
-    if len(domains) > 1:  # a mixture of domains: one reward curve per verifier
+    if args.keys:
+        keys = [k for k in args.keys.split(",") if k]
+        figures = {"+".join(k.replace("/", "-") for k in keys) + ".png":
+                   [(k, [(k, "o-" if k.startswith("eval/") else "-")]) for k in keys]}
+    elif len(domains) > 1:  # a mixture of domains: one reward curve per verifier
         styles = ["-", "--", ":", "-."]
         figures["reward_by_verifier.png"] = [("reward by verifier", [(k, styles[i % 4]) for i, k in enumerate(domains)])]
-    for fname, panels in figures.items():
-        path = os.path.join(out, fname)
-        if plot_figure(runs, panels, path, sigma if fname == "entropy.png" else None):
-            written.append(path)
-        else:
-            print(f"{fname}: no data in any run, not written")
+    if args.seeds:
+        written = seed_figures(seed_groups(runs), figures, out, sigma)
+    else:
+        written = []
+        for fname, panels in figures.items():
+            path = os.path.join(out, fname)
+            if plot_figure(runs, panels, path, sigma if fname == "entropy.png" else None):
+                written.append(path)
+            else:
+                print(f"{fname}: no data in any run, not written")
+    if args.keys and not written:
+        known = sorted({k for records in runs.values() for r in records for k in r} - {"config", "git"})
+        raise SystemExit(f"--keys {args.keys}: no run logged any of them; the keys logged: {', '.join(known)}")
     print("wrote " + " ".join(written))
     return written
 

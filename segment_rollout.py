@@ -6,13 +6,25 @@ hits the segment cap waits in the unfinished pool and continues at the next step
 weights; so every token remembers the policy version that sampled it and that policy's (behaviour)
 log-prob. Segment i of a sample is tokens[seg_starts[i]:seg_starts[i+1]].
 
-    unfinished pool --+
-                      +--> batch --> engine: <= segment_len new tokens each --+--> EOS        --> experience
-    new prompts x G --+                                                      +--> global cap --> experience (truncated)
-                                                                             +--> segment cap --> unfinished pool
+A sample waits in one of three places (UloRL's Algorithm 1 has one "experience pool" for the second and
+third; it is split because a group can be rewarded and filtered only once all G members are finished):
 
-A group (the G samples of one prompt) can be scored only when all its members are finished: it waits in
-the experience pool until then (`ready_groups`).
+    unfinished pool --+
+                      +--> batch --> engine: <= segment_len new tokens each --+--> EOS         --+
+    new prompts x G --+                                                      +--> global cap  --+ (truncated)
+                                                                             +--> segment cap --> unfinished pool
+      +------------------------------------------------------------------------------------------+
+      v
+    Pools.experience: finished samples whose group still has unfinished members (group id -> members)
+      |  the group's last member finishes (ready_groups): reward; dynamic sampling drops all-equal groups
+      v
+    RunState.ready (ulorl.py): complete, rewarded, informative groups waiting for an update; a step trains
+      the oldest --train-groups of them and the rest carry over to the next step
+
+1. `Pools.unfinished`: hit the segment cap; decoded further at the next step, possibly by newer weights.
+2. `Pools.experience`: finished, but its group is not: GRPO's advantage needs every member's reward.
+3. `RunState.ready`: the group is complete, scored and kept, so the rewards are computed once, when the group
+   completes; a checkpoint saves all three.
 """
 from dataclasses import dataclass, field
 
@@ -40,12 +52,13 @@ class Pools:
     experience: dict[int, list[Sample]] = field(default_factory=dict)  # group -> its finished members
     next_uid: int = 0
     next_group: int = 0
-    uid_step: int = 1  # -1 makes uids count down (evaluation: random streams apart from training's)
+    count_down: bool = False  # uids -1, -2, ...: evaluation's random streams, apart from training's 0, 1, ...
 
     def new_group(self, prompt_ids: list[int], row: dict, size: int) -> list[Sample]:
         group, self.next_group = self.next_group, self.next_group + 1
-        samples = [Sample(self.next_uid + i * self.uid_step, group, prompt_ids, row) for i in range(size)]
-        self.next_uid += size * self.uid_step
+        direction = -1 if self.count_down else 1
+        samples = [Sample(self.next_uid + i * direction, group, prompt_ids, row) for i in range(size)]
+        self.next_uid += size * direction
         return samples
 
     def ready_groups(self, size: int) -> list[list[Sample]]:

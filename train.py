@@ -108,19 +108,20 @@ class EngineFailure(RuntimeError):
 
 
 def rollout_until_ready(engine, pools: Pools, rows, state: RunState, tokenizer, sampling: Sampling, cfg: Config,
-                        m: dict, judge: reward.Judge | None, too_long: set) -> list[Sample]:
+                        record: dict, judge: reward.Judge | None, too_long: set) -> list[Sample]:
     """Steps 1-4: rollout rounds until `--train-groups` informative complete groups are ready (at least one
-    round per step, so unfinished samples always advance). Returns every sample rewarded on the way.
+    round per step, so unfinished samples always advance). Returns every sample rewarded on the way; adds the
+    rollout's counts to `record`, the step's metrics.jsonl record.
     `too_long`: rows known to exceed --max-prompt-len (data.draw_prompts skips them untokenized)."""
     segment_len = cfg.max_response_len // cfg.segments
     scored = []
-    while m["rollout/rounds"] == 0 or len(state.ready) < cfg.train_groups:
-        free = cfg.prompts_per_step * cfg.group_size - len(pools.unfinished)
-        n_new = 0 if len(state.ready) >= cfg.train_groups else max(free // cfg.group_size, 0)
+    while record["rollout/rounds"] == 0 or len(state.ready) < cfg.train_groups:
+        open_slots = cfg.prompts_per_step * cfg.group_size - len(pools.unfinished)  # rollout rows for new groups
+        n_new = 0 if len(state.ready) >= cfg.train_groups else max(open_slots // cfg.group_size, 0)
         prompts, state.cursor, skipped = data.draw_prompts(rows, cfg.seed, state.cursor, n_new, tokenizer,
                                                            cfg.max_prompt_len, cfg.data, too_long)
         if skipped:
-            m["data/skipped_long_prompts"] = m.get("data/skipped_long_prompts", 0) + skipped
+            record["data/skipped_long_prompts"] = record.get("data/skipped_long_prompts", 0) + skipped
         new = [pools.new_group(ids, row, cfg.group_size) for ids, row in prompts]
         try:  # 1-2. decode one segment; sort into the unfinished and experience pools
             r = rollout_step(engine, pools, new, segment_len, cfg.max_response_len, sampling, state.version)
@@ -132,23 +133,23 @@ def rollout_until_ready(engine, pools: Pools, rows, state: RunState, tokenizer, 
             except Exception as e2:
                 raise EngineFailure(f"the rollout engine failed twice: {type(e2).__name__}: {e2}; resume from the "
                                     f"newest checkpoint in {cfg.out} with --resume auto") from e2
-        m["rollout/rounds"] += 1
-        m["tokens/generated"] += r["tokens/generated"]
-        m["rollout/unfinished"] = r["rollout/unfinished"]
+        record["rollout/rounds"] += 1
+        record["tokens/generated"] += r["tokens/generated"]
+        record["rollout/unfinished"] = r["rollout/unfinished"]
         # 3. reward the groups whose every member is finished
         complete = [pools.pop_group(g[0].group) for g in pools.ready_groups(cfg.group_size)]
         samples = [s for g in complete for s in g]
         texts = tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
         for k, v in reward.score_samples(samples, texts, cfg.max_response_len, cfg.overlong, cfg.overlong_buffer,
                                          cfg.reward_timeout, judge, cfg.reward_batch_timeout).items():
-            m[k] = m.get(k, 0) + v
+            record[k] = record.get(k, 0) + v
         scored += samples
         # 4. dynamic sampling: only informative groups wait for the update
         kept, dropped = ulorl.dynamic_sampling(complete, cfg.dynamic_sampling)
         state.ready += kept
-        m["dynamic/dropped_groups"] += dropped
-        if m["rollout/rounds"] > 100 * cfg.segments:
-            raise RuntimeError(f"no informative group after {m['rollout/rounds']} rollouts: every group's "
+        record["dynamic/dropped_groups"] += dropped
+        if record["rollout/rounds"] > 100 * cfg.segments:
+            raise RuntimeError(f"no informative group after {record['rollout/rounds']} rollouts: every group's "
                                f"rewards were all equal (mean reward {sum(s.reward for s in scored) / max(len(scored), 1):.3f}). "
                                f"The task is too easy or too hard for this model; try --dynamic-sampling false")
     return scored
@@ -207,7 +208,7 @@ def held_out(engine, tokenizer, rows: list[dict], cfg: Config, judge: reward.Jud
                                             Sampling(cfg.temperature, cfg.top_p, cfg.top_k), segments=1, batch=256,
                                             timeout=cfg.reward_timeout, overlong=cfg.overlong,
                                             overlong_buffer=cfg.overlong_buffer, judge=judge,
-                                            pools=Pools(next_uid=-1, uid_step=-1))
+                                            pools=Pools(next_uid=-1, count_down=True))
     return {"eval/accuracy": summary["avg@k"], "eval/reward": summary["mean_reward"],
             "eval/mean_length": summary["mean_length"], "eval/truncation_rate": summary["truncation_rate"],
             "eval/reward_timeouts": metrics["reward/timeouts"]}
@@ -234,8 +235,9 @@ def sync_weights(engine, lm) -> None:
 
 # ----------------------------------------------------------------------------------------- logging
 
-def step_metrics(step: int, groups: list[list[Sample]], scored: list[Sample], t_roll: float, m: dict) -> dict:
-    """The step's rollout numbers: rewards (per verifier too: one curve each in a mixture), lengths, speed."""
+def step_metrics(step: int, groups: list[list[Sample]], scored: list[Sample], t_roll: float, record: dict) -> dict:
+    """The step's rollout numbers: rewards (per verifier too: one curve each in a mixture), lengths, speed.
+    `record` is the step's record so far (its generated-token count)."""
     trained = [s for g in groups for s in g]
     out = {}
     for v in sorted({s.row["verifier"] for s in scored}):
@@ -247,17 +249,18 @@ def step_metrics(step: int, groups: list[list[Sample]], scored: list[Sample], t_
                 "response/max_len": max(len(s.tokens) for s in trained),
                 "response/truncated_frac": sum(s.finish == "truncated" for s in trained) / len(trained),
                 "response/multi_segment_frac": sum(len(s.seg_starts) > 1 for s in trained) / len(trained),
-                "tokens/per_s": m["tokens/generated"] / max(t_roll, 1e-9), "time/rollout_s": t_roll})
+                "tokens/per_s": record["tokens/generated"] / max(t_roll, 1e-9), "time/rollout_s": t_roll})
     return out
 
 
-def log_line(m: dict, eta_s: float, threads: int) -> str:
+def log_line(record: dict, eta_s: float, threads: int) -> str:
     def num(key, form=".3f"):  # null (nothing measured) as "-"
-        return "  -  " if m.get(key) is None else format(m[key], form)
-    acc = f" | eval {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
-    return (f"step {m['step']:5d} | reward {num('reward/mean')}{acc} | entropy {num('entropy/mean')} | "
-            f"masked {num('mpt/masked_frac')} | unfinished {m['rollout/unfinished']:4d} | "
-            f"tok/s {m['tokens/per_s']:7.0f} | {m['time/step_s']:.2f}s | eta {eta_s / 60:.1f}m | {threads} thr")
+        return "  -  " if record.get(key) is None else format(record[key], form)
+    acc = f" | eval {record['eval/accuracy']:.3f}" if "eval/accuracy" in record else ""
+    return (f"step {record['step']:5d} | reward {num('reward/mean')}{acc} | entropy {num('entropy/mean')} | "
+            f"masked {num('mpt/masked_frac')} | unfinished {record['rollout/unfinished']:4d} | "
+            f"tok/s {record['tokens/per_s']:7.0f} | {record['time/step_s']:.2f}s | eta {eta_s / 60:.1f}m | "
+            f"{threads} thr")
 
 
 def stop_on_signals(lead: bool, state: RunState) -> list[str]:
@@ -304,7 +307,8 @@ def main(cfg: Config, engine_hook=None) -> None:
     torch.manual_seed(cfg.seed + rank)
     keys = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, default_verifier=cfg.default_verifier)
     rows = data.load_prompts(cfg.data, cfg.seed, **keys) if lead else []  # data before models: a bad row stops
-    eval_rows = data.load_prompts(cfg.eval_data, cfg.seed, True, cfg.eval_n, **keys) if cfg.eval_data and lead else []
+    evaluating = bool(cfg.eval_data and cfg.eval_every)
+    eval_rows = data.load_prompts(cfg.eval_data, cfg.seed, True, cfg.eval_n, **keys) if evaluating and lead else []
     host_before = plan_lib.reset_host_peak()
     policy, ref, lm, ref_lm, tokenizer = load_models(cfg, resume_from, world)
     load_peak = model_lib.all_max(plan_lib.host_peak() - host_before) / 2**20  # MiB, the largest rank's
@@ -312,7 +316,7 @@ def main(cfg: Config, engine_hook=None) -> None:
     if engine_hook is not None and engine is not None:
         engine = engine_hook(engine)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(ulorl.lr_factor, cfg=cfg))
     judge = eval_lib.load_judge(cfg.verifier_model, cfg.verifier_mode, cfg.verifier_max_tokens, cfg.dtype, cfg.device,
                                 cfg.seed) if lead and cfg.verifier_model and cfg.verifier_mode != "off" else None
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
@@ -327,19 +331,20 @@ def main(cfg: Config, engine_hook=None) -> None:
             print(f"resumed from {resume_from} at step {state.step}", flush=True)
         log = logs.RunLog(cfg, state.step if resume_from else None)
         if state.step == 0 and eval_rows:
-            log.record({**evaluate_before_training(engine, tokenizer, eval_rows, cfg, judge, state), **startup},
-                       git=logs.git_hash(), config=dataclasses.asdict(cfg))
+            log.record({**evaluate_before_training(engine, tokenizer, eval_rows, cfg, judge, state), **startup})
             startup = {}
     stop = stop_on_signals(lead, state)
     step_times, too_long = [], set()
     while state.step < cfg.steps:
         t0, step = time.time(), state.step + 1
-        m: dict = {"reward/timeouts": 0, "reward/errors": 0, "rollout/rounds": 0, "tokens/generated": 0,
-                   "dynamic/dropped_groups": 0, "rollout/unfinished": len(pools.unfinished)}
+        # the step's metrics.jsonl record: rollout counts first, then the update's, the evaluation's, timing
+        record: dict = {"reward/timeouts": 0, "reward/errors": 0, "rollout/rounds": 0, "tokens/generated": 0,
+                        "dynamic/dropped_groups": 0, "rollout/unfinished": len(pools.unfinished)}
         groups, scored = None, []
         if lead:  # 1-4. rollout until enough informative complete groups are ready
             try:
-                scored = rollout_until_ready(engine, pools, rows, state, tokenizer, sampling, cfg, m, judge, too_long)
+                scored = rollout_until_ready(engine, pools, rows, state, tokenizer, sampling, cfg, record, judge,
+                                             too_long)
             except EngineFailure:
                 if world == 1:  # under torchrun a checkpoint needs every rank: the newest periodic one resumes
                     save(os.path.join(cfg.out, f"step_{state.step:06d}"))
@@ -351,40 +356,40 @@ def main(cfg: Config, engine_hook=None) -> None:
         # 5-6. old/reference log-probs, DMMPT mask, the update (each rank its share)
         if lead:
             engine.pause()  # vLLM sharing the trainer's GPU sleeps meanwhile
-        m.update(ulorl.update(policy, ref, opt, sched, groups, state.version, tokenizer.pad_token_id, cfg))
-        m.update(memory_peaks(cfg, host_before))
-        ulorl.count_bad_steps(m, state, cfg, warn=lead)
-        if m["train/optimizer_steps"]:
+        record.update(ulorl.update(policy, ref, opt, sched, groups, state.version, tokenizer.pad_token_id, cfg))
+        record.update(memory_peaks(cfg, host_before))
+        ulorl.count_bad_steps(record, state, cfg, warn=lead)
+        if record["train/optimizer_steps"]:
             state.version += 1
         if cfg.ref_reset_every and step % cfg.ref_reset_every == 0:
             ulorl.reset_reference(lm, ref_lm, opt, ref)  # ProRL: reference <- policy, fresh AdamW moments
-            m["train/ref_reset"] = 1
+            record["train/ref_reset"] = 1
 
         # 7. the new weights reach the engine; unfinished samples continue under them
         if lead:
             engine.resume()
-        if m["train/optimizer_steps"]:
+        if record["train/optimizer_steps"]:
             t_sync = time.time()
             sync_weights(engine, lm)
-            m["time/sync_s"] = time.time() - t_sync
+            record["time/sync_s"] = time.time() - t_sync
         state.step = step
 
         # 8. evaluate (ProRL also resets when held-out accuracy stalls), log, checkpoint
-        if cfg.eval_data and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+        if evaluating and (step == cfg.steps or step % cfg.eval_every == 0):
             if lead:
-                m.update(held_out(engine, tokenizer, eval_rows, cfg, judge))
-            if model_lib.broadcast(lead and ulorl.stalled(state, m["eval/accuracy"], cfg.ref_reset_on_stall)):
+                record.update(held_out(engine, tokenizer, eval_rows, cfg, judge))
+            if model_lib.broadcast(lead and ulorl.stalled(state, record["eval/accuracy"], cfg.ref_reset_on_stall)):
                 ulorl.reset_reference(lm, ref_lm, opt, ref)
-                m["train/ref_reset"] = 1
+                record["train/ref_reset"] = 1
         if lead:
-            m.update(step_metrics(step, groups, scored, t_roll, m), **startup)
+            record.update(step_metrics(step, groups, scored, t_roll, record), **startup)
             startup = {}
             if cfg.dump_samples:
                 log.dump_samples(groups, step, tokenizer, cfg.dump_samples)
-            m["time/step_s"] = time.time() - t0
-            step_times.append(m["time/step_s"])
-            log.record(m)  # before the checkpoint: every record up to a checkpoint's step exists
-            print(log_line(m, sum(step_times) / len(step_times) * (cfg.steps - step), threads), flush=True)
+            record["time/step_s"] = time.time() - t0
+            step_times.append(record["time/step_s"])
+            log.record(record)  # before the checkpoint: every record up to a checkpoint's step exists
+            print(log_line(record, sum(step_times) / len(step_times) * (cfg.steps - step), threads), flush=True)
         stop_now = stop_now or (stop[0] if world == 1 and stop else "")
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop_now:
             save(os.path.join(cfg.out, f"step_{step:06d}"))

@@ -1,22 +1,22 @@
 """The paper-to-code index, and the algorithm of one RL step after the rollout: dynamic sampling,
-advantages, the keep mask (DMMPTs, overlong filtering), the update (`update`: old and reference log-probs,
+advantages, the token masks (overlong filtering, DMMPTs), the update (`update`: old and reference log-probs,
 the global token denominator, the loss, the optimizer steps, the NaN skip) and ProRL's reference/optimizer
 reset. One RL step reads train.py (the loop) -> segment_rollout.py -> ulorl.py -> loss.py.
 
-Where each part of the papers lives (every paper number is a flag default in train.py):
+Where each part of the papers lives (every paper number is a flag default or a preset in config.py):
 
   UloRL (arXiv 2507.19766)
     3.1 segment rollout, Algorithm 1 ...... segment_rollout.rollout_step, Pools; train.rollout_until_ready;
                                             --segments (8), --max-response-len (131072)
     3.1 speed 1240 s -> 601 s (4 segs) ..... bench.py segments
     3.1 TOIS / SAIS / POIS ................ loss.old_logprobs, used in prepare() below; --is-mode (pois)
-    3.2 DMMPTs (tau 0.99, sigma 0.2) ...... loss.mpt_mask, keep_mask() below; --mpt, --mpt-tau, --mpt-sigma
+    3.2 DMMPTs (tau 0.99, sigma 0.2) ...... loss.mpt_mask, token_masks() below; --mpt, --mpt-tau, --mpt-sigma
     3.2 Eq. 10: masked tokens stay in the denominator ... optimize() below, loss.policy_loss(pg_mask=...)
     3.3 {0,1} reward, truncated = 0 ....... reward.py, reward.overlong_reward; --overlong (zero)
     3.3 generative verifier ............... reward.Judge, reward.judge_rewards; --verifier-model, --verifier-mode
     3.4 data cleaning ..................... data.py clean (python data.py clean --help)
     4   YaRN (factor 1.5, 95232) .......... model.yarn_overrides; --rope-scaling-factor, --rope-original-max-positions
-    4   settings: lr 1e-6, 128 x 8, T 0.85, mini-batch 1024 .......... train.py PRESETS["ulorl"]
+    4   settings: lr 1e-6, 128 x 8, T 0.85, mini-batch 1024 .......... config.PRESETS["ulorl"]
     4   avg@32 with T 0.85, top_p 0.95, top_k 20 ...................... eval.py --preset ulorl
   ProRL (arXiv 2507.12507, 2505.24864)
     GRPO advantages ....................... loss.group_advantages, sample_advantages() below
@@ -26,7 +26,8 @@ Where each part of the papers lives (every paper number is a flag default in tra
     dynamic sampling ...................... dynamic_sampling() below; --dynamic-sampling
     KL k3 to a reference, beta 1e-4 ....... loss.kl_k3; --kl-coef
     reference + optimizer reset ........... reset_reference(), stalled() below; --ref-reset-every, --ref-reset-on-stall
-    settings: n 16, T 1.2, 256 prompts, mini-batch 64 prompts, lr 2e-6 ... train.py PRESETS["prorl"]
+    constant learning rate (both papers) .. lr_factor() below; --lr-final 1 (the tiny default decays to 0.1)
+    settings: n 16, T 1.2, 256 prompts, mini-batch 64 prompts, lr 2e-6 ... config.PRESETS["prorl"]
     rewards: math, code (sandbox.py), Reasoning Gym (--data rg:NAME), instruction following ... reward.VERIFIERS
     pass@k ................................ eval.pass_at_k
 
@@ -81,21 +82,21 @@ def sample_advantages(groups: list[list]) -> torch.Tensor:
     return group_advantages(rewards).flatten()
 
 
-def keep_mask(mb: MicroBatch, current: torch.Tensor, entropy: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which response tokens count, [b, T] bool each: (counted, keep).
-    counted: the loss's denominator, every token of a sample that trains; overlong filtering (--overlong
-      filter, as DAPO) removes truncated samples whole.
-    keep: the counted tokens whose policy-gradient term trains; DMMPTs drop the well-mastered tokens of
+def token_masks(mb: MicroBatch, current: torch.Tensor, entropy: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which response tokens train, [b, T] bool each: (loss_mask, pg_mask).
+    loss_mask: the tokens the loss averages over (its denominator), every token of a sample that trains;
+      overlong filtering (--overlong filter, as DAPO) removes truncated samples whole.
+    pg_mask: the loss_mask tokens whose policy-gradient term trains; DMMPTs drop the well-mastered tokens of
       positive samples (UloRL 3.2: --mpt dynamic while the sample's entropy is below sigma, static always,
-      off never). A dropped token stays counted (UloRL Eq. 10) and keeps its KL term."""
-    counted = mb.resp_mask.clone() & (not mb.empty)
+      off never). A dropped token stays in the denominator (UloRL Eq. 10) and keeps its KL term."""
+    loss_mask = mb.resp_mask.clone() & (not mb.empty)
     if cfg.overlong == "filter":
-        counted &= ~mb.truncated[:, None]
-    keep = counted.clone()
+        loss_mask &= ~mb.truncated[:, None]
+    pg_mask = loss_mask.clone()
     if cfg.mpt != "off":
         sigma = cfg.mpt_sigma if cfg.mpt == "dynamic" else math.inf
-        keep &= mpt_mask(current, entropy, mb.rewards, mb.resp_mask, cfg.mpt_tau, sigma)
-    return counted, keep
+        pg_mask &= mpt_mask(current, entropy, mb.rewards, mb.resp_mask, cfg.mpt_tau, sigma)
+    return loss_mask, pg_mask
 
 
 def staleness(samples: list, version: int) -> dict:
@@ -149,20 +150,22 @@ def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg) -> tu
     reference's log-probs for the KL, entropy and the token masks; and how far the engine's behaviour
     log-probs are from the trainer's on the tokens these very weights sampled.
     Returns (sums for the metrics, the largest engine/trainer gap)."""
-    stats, diff_max = {"entropy": 0.0, "tokens": 0, "kept": 0, "diff_sum": 0.0, "diff_n": 0}, 0.0
+    stats = {"entropy": 0.0, "tokens": 0, "loss_tokens": 0, "pg_tokens": 0, "diff_sum": 0.0, "diff_n": 0}
+    diff_max = 0.0
     for mbs in minis:
         for mb in mbs:
             cur, entropy = policy(mb, cfg.temperature)
             mb.old = old_logprobs(cfg.is_mode, cur, mb.behaviour, mb.versions, version)
             if ref is not None:
                 mb.ref = ref(mb, cfg.temperature)[0]
-            mb.counted, mb.keep = keep_mask(mb, cur, entropy, cfg)
+            mb.loss_mask, mb.pg_mask = token_masks(mb, cur, entropy, cfg)
             if mb.empty:
                 continue
             gap = (cur - mb.behaviour).abs()[mb.versions == version]
             stats["entropy"] += entropy[mb.resp_mask].sum().item()
             stats["tokens"] += int(mb.resp_mask.sum())
-            stats["kept"] += int(mb.keep.sum())
+            stats["loss_tokens"] += int(mb.loss_mask.sum())
+            stats["pg_tokens"] += int(mb.pg_mask.sum())
             if gap.numel():
                 diff_max = max(diff_max, gap.max().item())
                 stats["diff_sum"] += gap.sum().item()
@@ -178,31 +181,32 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg) -> tuple[di
     totals: dict = {}
     skipped, grad_norm, ratio_max = 0, torch.tensor(float("nan")), 0.0
     for mbs in minis:
-        # The one place that decides what the loss averages over: every counted response token (DMMPT-masked
-        # ones included, UloRL Eq. 10; overlong-filtered samples not) of *all* micro-batches of this optimizer
+        # The one place that decides what the loss averages over: every loss_mask token (DMMPT-masked ones
+        # included, UloRL Eq. 10; overlong-filtered samples not) of *all* micro-batches of this optimizer
         # step on all ranks (samples, for agg="sample"). DDP and FSDP average gradients over ranks; scaling
         # by the world size makes it a sum.
-        local = sum(int(mb.counted.sum()) if cfg.agg == "token" else int((mb.counted.sum(1) > 0).sum()) for mb in mbs)
+        local = sum(int(mb.loss_mask.sum()) if cfg.agg == "token" else int((mb.loss_mask.sum(1) > 0).sum())
+                    for mb in mbs)
         denom = model_lib.all_sum({"n": local})["n"]
         opt.zero_grad(set_to_none=True)
         finite = True
         for i, mb in enumerate(mbs):
             with model_lib.grad_sync(policy, last=i == len(mbs) - 1):
                 logprobs, _ = policy(mb, cfg.temperature)
-                loss, m = policy_loss(logprobs, mb.old, mb.adv, mb.counted, pg_mask=mb.keep, eps_low=cfg.eps_low,
-                                      eps_high=cfg.eps_high, clip_ratio_c=cfg.clip_ratio_c, ref_logprobs=mb.ref,
-                                      kl_coef=cfg.kl_coef, agg=cfg.agg, denom=denom, tis_cap=cfg.tis_cap or None,
-                                      behaviour_logprobs=mb.behaviour)
+                loss, loss_metrics = policy_loss(
+                    logprobs, mb.old, mb.adv, mb.loss_mask, pg_mask=mb.pg_mask, eps_low=cfg.eps_low,
+                    eps_high=cfg.eps_high, clip_ratio_c=cfg.clip_ratio_c, ref_logprobs=mb.ref, kl_coef=cfg.kl_coef,
+                    agg=cfg.agg, denom=denom, tis_cap=cfg.tis_cap or None, behaviour_logprobs=mb.behaviour)
                 (loss * model_lib.world()).backward()
             finite &= bool(torch.isfinite(loss))
             if mb.empty:
                 continue
-            w = {"_w": int(mb.keep.sum()), "_wc": int(mb.counted.sum())}  # the KL is a mean over counted tokens
-            ratio_max = max(ratio_max, m.pop("ratio/max"))  # a max, not a mean
-            for k, v in m.items():  # the loss already carries the global denominator: it adds up
-                totals[k] = totals.get(k, 0.0) + (v if k == "loss/policy" else v * w["_wc" if k == "loss/kl" else "_w"])
-            for k, v in w.items():
-                totals[k] = totals.get(k, 0) + v
+            # policy_loss's metrics are means over this micro-batch's pg_mask tokens (the KL: loss_mask tokens);
+            # weighted by those counts here, update() divides them by the step's counts (prepare's)
+            ratio_max = max(ratio_max, loss_metrics.pop("ratio/max"))  # a max, not a mean
+            for k, v in loss_metrics.items():  # the loss already carries the global denominator: it adds up
+                weight = 1 if k == "loss/policy" else (mb.loss_mask if k == "loss/kl" else mb.pg_mask).sum().item()
+                totals[k] = totals.get(k, 0.0) + v * weight
         grad_norm = model_lib.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip))
         if not (model_lib.all_true(finite) and torch.isfinite(grad_norm)):
             opt.zero_grad(set_to_none=True)
@@ -239,16 +243,20 @@ def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: in
     totals, ratio_max, skipped, grad_norm = optimize(policy, opt, sched, minis, cfg)
     totals = model_lib.all_sum({**totals, **stats})
     stats = {k: totals.pop(k) for k in list(stats)}
-    w, wc = max(totals.pop("_w", 0), 1), max(totals.pop("_wc", 0), 1)
+    pg_tokens, loss_tokens = max(stats["pg_tokens"], 1), max(stats["loss_tokens"], 1)
     ratio_max = model_lib.all_max(ratio_max)
-    out = {k: v / len(minis) if k == "loss/policy" else v / (wc if k == "loss/kl" else w) for k, v in totals.items()}
+    out = {k: v / len(minis) if k == "loss/policy" else v / (loss_tokens if k == "loss/kl" else pg_tokens)
+           for k, v in totals.items()}
     out["ratio/max"] = ratio_max
     out = {k: (v if math.isfinite(v) else None) for k, v in out.items()}  # JSON has no NaN
     out.update({"train/samples": len(samples), "train/lr": sched.get_last_lr()[0],
                 "train/grad_norm": grad_norm.item() if torch.isfinite(grad_norm) else None,
                 "train/optimizer_steps": len(minis) - skipped, "train/skipped_updates": skipped,
                 "entropy/mean": stats["entropy"] / max(stats["tokens"], 1),
-                "mpt/masked_frac": 1 - stats["kept"] / max(stats["tokens"], 1),
+                # of the response tokens: dropped from the policy-gradient term by DMMPTs (still in the
+                # denominator and the KL), and left out of the loss whole by --overlong filter
+                "mpt/masked_frac": (stats["loss_tokens"] - stats["pg_tokens"]) / max(stats["tokens"], 1),
+                "overlong/filtered_frac": 1 - stats["loss_tokens"] / max(stats["tokens"], 1),
                 # unknown (null), not perfect, when no trained token came from the current weights
                 "rollout/logprob_diff_max": diff_max if stats["diff_n"] else None,
                 "rollout/logprob_diff_mean": stats["diff_sum"] / stats["diff_n"] if stats["diff_n"] else None,
@@ -256,20 +264,34 @@ def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: in
     return out
 
 
-def count_bad_steps(m: dict, state: RunState, cfg, warn: bool = True) -> None:
-    """Updates skipped for a NaN/inf loss or gradient are reported (`m` is update()'s metrics); --max-bad-steps
-    steps in a row without any applied update stop the run."""
-    if not m["train/skipped_updates"]:
+def count_bad_steps(record: dict, state: RunState, cfg, warn: bool = True) -> None:
+    """Updates skipped for a NaN/inf loss or gradient are reported (`record` holds update()'s metrics);
+    --max-bad-steps steps in a row without any applied update stop the run."""
+    if not record["train/skipped_updates"]:
         state.bad_steps = 0
         return
-    state.bad_steps = state.bad_steps + 1 if m["train/optimizer_steps"] == 0 else 0
+    state.bad_steps = state.bad_steps + 1 if record["train/optimizer_steps"] == 0 else 0
     if warn:
-        print(f"warning: step {state.step + 1}: skipped {m['train/skipped_updates']} update(s) with a NaN/inf loss "
+        print(f"warning: step {state.step + 1}: skipped {record['train/skipped_updates']} update(s) with a NaN/inf loss "
               f"or gradient ({state.bad_steps} step(s) in a row)", file=sys.stderr, flush=True)
     if state.bad_steps >= cfg.max_bad_steps:
         raise RuntimeError(f"{state.bad_steps} steps in a row had only NaN/inf losses or gradients; "
                            f"stopping. Look at samples.jsonl for odd rewards; lower --lr; the newest "
                            f"checkpoint in {cfg.out} holds the last good weights")
+
+
+def lr_factor(update: int, cfg) -> float:
+    """The learning rate of optimizer update `update` (0, 1, ...) as a fraction of --lr: a linear warm-up over
+    --warmup-steps updates, 1 until the last --lr-decay-steps RL steps (0: all after warm-up), and over those a
+    cosine down to --lr-final at the run's last update. An RL step is ceil(train_groups x G / mini_batch)
+    updates. (Warmup-stable-decay: most of the run learns at full speed, and the end is annealed.)"""
+    if update < cfg.warmup_steps:
+        return (update + 1) / cfg.warmup_steps
+    per_step = math.ceil(cfg.train_groups * cfg.group_size / cfg.mini_batch) if cfg.mini_batch else 1
+    last = cfg.steps * per_step - 1  # the run's last update
+    start = max(cfg.warmup_steps, last + 1 - cfg.lr_decay_steps * per_step if cfg.lr_decay_steps else 0)
+    progress = min(1.0, max(0, update - start) / max(last - start, 1))
+    return cfg.lr_final + (1 - cfg.lr_final) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def stalled(state: RunState, accuracy: float, patience: int) -> bool:

@@ -10,15 +10,24 @@ and one JSON line with the numbers docs/findings.md quotes.
     python experiments/findings.py passk --models dmmpt/off   # pass@1..64 of the warm start and of finished
                                               # runs' last checkpoints (here the dmmpt finding's "off" runs)
 
+Your own study: named variants, each a string of train.py flags, over seeds, with the same figure and table
+(runs in ROOT/NAME/VARIANT_sSEED; `--keys` picks the metrics drawn, one panel each):
+
+    python experiments/findings.py variants --variant "constant=--lr-final 1" --variant "cosine=" \
+        --seeds 0,1,2 --jobs 2 --name lr --keys eval/accuracy,reward/mean,entropy/mean
+
 A run that finished is not run again (delete its folder to redo it); one that was stopped continues from its
 newest checkpoint. `--jobs 2` runs two at a time (one thread each). Flags this script does not know go to
 every train.py run, after the finding's own (the smoke test shrinks the runs this way: `--steps 2 ...`).
+The figure goes beside the runs (ROOT/FINDING/FINDING.png) unless `--figure` names a path; docs/findings.md
+gives the commands that redraw its figures.
 """
 import argparse
 import glob
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -33,21 +42,24 @@ import plot  # noqa: E402
 import tiny  # noqa: E402
 
 # What every run of a finding shares, then its variants (label -> train.py flags). The rest is train.py's
-# tiny default: 16 prompts x 8 samples a step, 64-token cap in 4 segments, lr 3e-4, T 1, held-out accuracy on
-# 512 problems every 25 steps.
+# tiny default: 16 prompts x 8 samples a step, 64-token cap in 4 segments, T 1, held-out accuracy on 512
+# problems every 25 steps; but a constant learning rate of 3e-4, as both papers train (and as the findings
+# in docs/findings.md ran), where the tiny default decays it.
+STEPS = 150
+PAPER_LR = ["--lr-final", "1"]
 SIGMA = 0.08  # the warm start's mean token entropy is ~0.11 and falls to ~0.04 under RL: the paper's 0.2 is never reached
 BETA, RESET_EVERY = 0.1, 50  # KL coefficient and reset period of the prolonged runs (why these: docs/findings.md)
 FINDINGS = {
-    "dmmpt": dict(steps=150, common=["--mpt-sigma", str(SIGMA)], variants={
+    "dmmpt": dict(steps=STEPS, common=[*PAPER_LR, "--mpt-sigma", str(SIGMA)], variants={
         "off": ["--mpt", "off"], "static": ["--mpt", "static"], "dynamic": ["--mpt", "dynamic"]}),
-    "is": dict(steps=150, common=[], variants={
+    "is": dict(steps=STEPS, common=PAPER_LR, variants={
         "tois-1seg": ["--is-mode", "tois", "--segments", "1"], "sais-4seg": ["--is-mode", "sais", "--segments", "4"],
         "pois-4seg": ["--is-mode", "pois", "--segments", "4"]}),
     # segments of 16 tokens, as UloRL keeps 16k segments and adds more of them for longer outputs
-    "length": dict(steps=150, common=[], variants={
+    "length": dict(steps=STEPS, common=PAPER_LR, variants={
         f"len{n}": ["--max-response-len", str(n), "--segments", str(n // 16)] for n in (16, 32, 48, 64)}),
     # ProRL's recipe where it differs from the tiny default: no DMMPTs, decoupled clip 0.2 / 0.4
-    "boundary": dict(steps=200, common=["--mpt", "off", "--eps-high", "0.4"], variants={
+    "boundary": dict(steps=200, common=[*PAPER_LR, "--mpt", "off", "--eps-high", "0.4"], variants={
         "no-kl": [], "kl": ["--kl-coef", str(BETA)],
         "kl+reset": ["--kl-coef", str(BETA), "--ref-reset-every", str(RESET_EVERY)]}),
 }
@@ -95,8 +107,8 @@ def run_all(name: str, spec: dict, seeds: list[int], root: str, extra: list[str]
 # ------------------------------------------------------------------------------------------ numbers
 
 def finals(seeds: list[list[dict]], key: str) -> list[float]:
-    """The last logged value of `key` in each seed's run."""
-    return [plot.series(records, key)[1][-1] for records in seeds]
+    """The last logged value of `key` in each seed's run (NaN for a run that never logged it)."""
+    return [(plot.series(records, key)[1] or [float("nan")])[-1] for records in seeds]
 
 
 def window_mean(records: list[dict], key: str, first: int, last: int) -> float:
@@ -119,7 +131,8 @@ def clean(x):
 
 
 def fmt(s: dict, digits: int = 3) -> str:
-    return f"{s['mean']:.{digits}f} +- {s['pm']:.{digits}f}"
+    form = f".{digits}g" if 0 < abs(s["mean"] or 0) < 0.01 else f".{digits}f"  # a learning rate, say
+    return f"{s['mean']:{form}} +- {s['pm']:{form}}" if s["mean"] is not None else "-"
 
 
 def run_seconds(seeds: list[list[dict]]) -> list[float]:
@@ -152,6 +165,12 @@ def curves(runs: dict, key: str, smooth: int = 1) -> dict:
     return lines
 
 
+def eval_title(runs: dict) -> str:
+    """The held-out accuracy panel's title, with the number of problems the runs evaluated (--eval-n)."""
+    first = next(iter(runs.values()))[0][0]
+    return f"held-out accuracy ({first.get('config', {}).get('eval_n', '?')} problems)"
+
+
 def print_table(numbers: dict, keys: list[str]) -> None:
     print(f"\n{'variant':>10} | " + " | ".join(f"{k:>16}" for k in keys))
     for v, n in numbers.items():
@@ -166,7 +185,7 @@ def finding_dmmpt(runs: dict, steps: int, figure: str) -> dict:
     plot.panel_figure([
         {"title": "mean token entropy (trailing mean of 5 steps)", "xlabel": "step", "lines": curves(runs, "entropy/mean", 5),
          "hlines": {f"sigma {SIGMA}": SIGMA}},
-        {"title": "held-out accuracy (512 problems)", "xlabel": "step", "lines": curves(runs, "eval/accuracy"),
+        {"title": eval_title(runs), "xlabel": "step", "lines": curves(runs, "eval/accuracy"),
          "style": "o-"},
         {"title": "tokens masked by DMMPTs (trailing mean of 5)", "xlabel": "step", "lines": curves(runs, "mpt/masked_frac", 5)},
     ], figure, "DMMPTs off / static / dynamic: mean over seeds, band = lowest to highest seed")
@@ -184,7 +203,7 @@ def finding_is(runs: dict, steps: int, figure: str) -> dict:
         clip[v] = (steps_, mean, low, high)
     plot.panel_figure([
         {"title": "mean token entropy (trailing mean of 5 steps)", "xlabel": "step", "lines": curves(runs, "entropy/mean", 5)},
-        {"title": "held-out accuracy (512 problems)", "xlabel": "step", "lines": curves(runs, "eval/accuracy"),
+        {"title": eval_title(runs), "xlabel": "step", "lines": curves(runs, "eval/accuracy"),
          "style": "o-"},
         {"title": "clipped token fraction (trailing mean of 5)", "xlabel": "step", "lines": clip},
     ], figure, "pi_old under segment rollout: mean over seeds, band = lowest to highest seed")
@@ -310,7 +329,7 @@ def finding_boundary(runs: dict, steps: int, figure: str, root: str, seeds: list
     numbers["passk_problems"], numbers["passk_samples"] = n, k
     plot.panel_figure([
         {"title": f"pass@k, {n} held-out problems, {k} samples each", "xlabel": "k", "logx": True, "lines": lines},
-        {"title": "held-out accuracy (512 problems)", "xlabel": "step", "style": "o-", "lines": curves(runs, "eval/accuracy")},
+        {"title": eval_title(runs), "xlabel": "step", "style": "o-", "lines": curves(runs, "eval/accuracy")},
         {"title": "mean token entropy (trailing mean of 5 steps)", "xlabel": "step", "lines": curves(runs, "entropy/mean", 5)},
         {"title": "k3 KL to the reference per token (trailing mean of 5)", "xlabel": "step",
          "lines": curves({v: rs for v, rs in runs.items() if any(r.get("loss/kl") for run in rs for r in run)}, "loss/kl", 5)},
@@ -319,22 +338,70 @@ def finding_boundary(runs: dict, steps: int, figure: str, root: str, seeds: list
     return numbers
 
 
+def parse_variants(texts: list[str]) -> dict[str, list[str]]:
+    """--variant NAME=FLAGS (FLAGS split as a shell would; may be empty) -> {NAME: [flag, ...]}, in order."""
+    variants = {}
+    for text in texts:
+        name, sep, flags = text.partition("=")
+        if not sep or not name.strip() or not name.replace("-", "").replace("+", "").replace(".", "").isalnum():
+            raise SystemExit(f"--variant {text!r}: expected NAME=FLAGS, e.g. 'loo=--kl-coef 0.1' (NAME: letters, "
+                             f"digits, '-', '+', '.'; FLAGS may be empty: the tiny default)")
+        if name in variants:
+            raise SystemExit(f"--variant {text!r}: the name {name!r} is given twice")
+        variants[name] = shlex.split(flags)
+    if len(variants) < 1:
+        raise SystemExit("variants: give at least one --variant NAME=FLAGS")
+    return variants
+
+
+def finding_variants(runs: dict, steps: int, figure: str, keys: list[str], name: str) -> dict:
+    """A study of the user's own: every variant's held-out accuracy and entropy, the last value of each of
+    `keys` (per-step metrics: the mean of the last 10 steps), and one panel per key."""
+    numbers = common_numbers(runs, steps)
+    for v, seeds in runs.items():
+        for key in keys:
+            numbers[v][key] = spread(finals(seeds, key) if key.startswith("eval/") else
+                                     [window_mean(rs, key, max(1, steps - 9), steps) for rs in seeds])
+    print_table(numbers, ["eval_first", "eval_last", "entropy_last20", "run_s"])
+    print_table(numbers, keys)
+    panels = []
+    for key in keys:
+        smooth = 1 if key.startswith("eval/") else 5
+        lines = curves(runs, key, smooth)
+        if lines:
+            panels.append({"title": eval_title(runs) if key == "eval/accuracy" else
+                           key + ("" if smooth == 1 else " (trailing mean of 5 steps)"), "xlabel": "step",
+                           "lines": lines, "style": "o-" if smooth == 1 else "-"})
+    if not panels:
+        raise SystemExit(f"--keys {','.join(keys)}: no run logged any of them (see a run's metrics.jsonl for keys)")
+    plot.panel_figure(panels, figure, f"{name}: mean over seeds, band = lowest to highest seed")
+    return numbers
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("finding", choices=[*FINDINGS, "passk"], help="which finding to reproduce")
+    p.add_argument("finding", choices=[*FINDINGS, "passk", "variants"],
+                   help="which finding to reproduce; variants: your own --variant runs")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="variants: one variant, its train.py flags as one string (repeat the option)")
+    p.add_argument("--name", default="variants", help="variants: the study's folder under --root and its title")
+    p.add_argument("--keys", default="eval/accuracy,reward/mean,entropy/mean",
+                   help="variants: metrics.jsonl keys to draw and tabulate, comma-separated")
     p.add_argument("--models", default="dmmpt/off", help="passk: comma-separated FINDING/VARIANT runs under --root")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds; each variant runs once per seed")
     p.add_argument("--root", default="runs/findings", help="runs go to ROOT/FINDING/VARIANT_sSEED")
-    p.add_argument("--figure", default="", help="the figure's path (default: docs/findings/FINDING.png)")
+    p.add_argument("--figure", default="", help="the figure's path (default: ROOT/FINDING/FINDING.png, beside "
+                                                "the runs)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time, one thread each")
     p.add_argument("--passk-samples", type=int, default=64, help="boundary, passk: samples per problem for pass@k")
     p.add_argument("--passk-problems", type=int, default=256, help="boundary, passk: held-out problems for pass@k")
     args, extra = p.parse_known_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     root = os.path.abspath(args.root)
-    figure = os.path.abspath(args.figure or os.path.join(ROOT, "docs", "findings", f"{args.finding}.png"))
+    name = args.name if args.finding == "variants" else args.finding
+    figure = os.path.abspath(args.figure or os.path.join(root, name, f"{name}.png"))
     os.makedirs(os.path.dirname(figure), exist_ok=True)
     t0 = time.time()
     if args.finding == "passk":
@@ -345,9 +412,14 @@ def main(argv=None) -> dict:
                         "wall_s": time.time() - t0})
         print(json.dumps(result))
         return result
-    spec = FINDINGS[args.finding]
-    print(f"{args.finding}: variants {list(spec['variants'])} x seeds {seeds} into {root}/{args.finding}", flush=True)
-    runs = run_all(args.finding, spec, seeds, root, extra, args.jobs)
+    if args.finding == "variants":
+        spec = dict(steps=STEPS, common=[], variants=parse_variants(args.variant))
+    elif args.variant:
+        p.error(f"--variant is for 'variants'; {args.finding} has its own: {', '.join(FINDINGS[args.finding]['variants'])}")
+    else:
+        spec = FINDINGS[args.finding]
+    print(f"{name}: variants {list(spec['variants'])} x seeds {seeds} into {root}/{name}", flush=True)
+    runs = run_all(name, spec, seeds, root, extra, args.jobs)
     steps = max(r["step"] for r in runs[next(iter(runs))][0])
     if args.finding == "dmmpt":
         numbers = finding_dmmpt(runs, steps, figure)
@@ -355,14 +427,16 @@ def main(argv=None) -> dict:
         numbers = finding_is(runs, steps, figure)
     elif args.finding == "length":
         numbers = finding_length(runs, steps, figure, root, seeds)
-    else:
+    elif args.finding == "boundary":
         numbers = finding_boundary(runs, steps, figure, root, seeds, args.passk_samples, args.passk_problems)
+    else:
+        numbers = finding_variants(runs, steps, figure, [k for k in args.keys.split(",") if k], name)
     wall = time.time() - t0
     print(f"\nfigure: {figure}\nwall time of this command: {wall:.0f}s (runs already done are not redone)")
-    result = {"finding": args.finding, "steps": steps, "seeds": seeds, "variants": spec["variants"],
+    result = {"finding": args.finding, "name": name, "steps": steps, "seeds": seeds, "variants": spec["variants"],
               "numbers": numbers, "figure": figure, "wall_s": wall}
     result = clean(result)
-    with open(os.path.join(root, args.finding, "summary.json"), "w") as f:
+    with open(os.path.join(root, name, "summary.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result))
     return result

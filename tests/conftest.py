@@ -1,8 +1,48 @@
-"""Fixtures shared by test files."""
+"""Fixtures and helpers shared by test files, and the environment every test runs in: no hub (models and data
+are made locally), and no test or process it starts may hang the suite.
+
+    python -m pytest                     # the whole suite; pytest.ini sets a per-test timeout
+    python -m pytest -m "not slow"       # without the tests that train for a minute or more
+"""
+import os
+import signal
+import subprocess
+
 import pytest
 import torch
 
-import tiny
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: a test that tries fails at once instead of hanging
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and everything it started (torchrun's workers, vLLM's engine, reward workers): it was
+    started in a session of its own, so its process group holds them all."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def start(cmd: list[str], **kw) -> subprocess.Popen:
+    """subprocess.Popen in a process group of its own (cwd: the project): end it with kill_group."""
+    return subprocess.Popen(cmd, cwd=kw.pop("cwd", ROOT), start_new_session=True, **kw)
+
+
+def run(cmd: list[str], timeout: float, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) in a process group of its own, which
+    is killed whole when the command ends, times out or the test is interrupted (pytest-timeout): no
+    grandchild outlives its test. A command that times out raises subprocess.TimeoutExpired."""
+    proc = start(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)
+        if proc.poll() is None:
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            pipe.close()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +57,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tok():
+    import tiny  # here, not at the top: scripts in tests/ import this file without the project on their path
     return tiny.make_tokenizer()
 
 
@@ -25,4 +66,5 @@ def lm(tok):
     """A small *random* tiny model (fp32, CPU), shared by a module's tests: those that change weights work on
     a deepcopy. Its next-token distribution is close to uniform over 17 tokens, so EOS (p ~ 1/17 per token)
     ends some responses and the caps end others."""
+    import tiny
     return tiny.make_model(tok, seed=0).eval()

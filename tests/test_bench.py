@@ -6,16 +6,17 @@ checked here (benchmarks measure, tests don't); the figures are in the README.
 import importlib.util
 import json
 import os
-import subprocess
 import sys
+
+from conftest import run
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_bench(*args, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS="1")  # tests may run beside each other on 2 cores
-    p = subprocess.run([sys.executable, "bench.py", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout, env=env)
+    p = run([sys.executable, "bench.py", *args], cwd=ROOT, timeout=timeout, env=env)
     return p
 
 

@@ -11,21 +11,26 @@ import subprocess
 import sys
 
 import pytest
+
 import torch
 from safetensors.torch import load_file
 
+from conftest import kill_group, run, start
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # torchrun runs of several steps: -m "not slow" skips them
 # with a KL reference reset every 2 steps, so that the sharded reference (forward, reset, checkpoint) is covered
 ARGS = ["--eval-data", "", "--train-groups", "4", "--prompts-per-step", "4", "--max-response-len", "32",
         "--segments", "4", "--dump-samples", "0", "--save-every", "1", "--keep-last", "0",
-        "--kl-coef", "0.01", "--ref-reset-every", "2"]
+        "--kl-coef", "0.01", "--ref-reset-every", "2",
+        "--lr-final", "1"]  # a constant learning rate: runs of different --steps are compared step by step
 
 
-def run(out, *extra, ranks=2):
+def train_run(out, *extra, ranks=2):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] \
         if ranks > 1 else [sys.executable]  # --standalone: a free port, not the fixed 29500
-    proc = subprocess.run([*launcher, "train.py", *ARGS, "--out", str(out), *extra], cwd=ROOT, capture_output=True,
-                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    proc = run([*launcher, "train.py", *ARGS, "--out", str(out), *extra], timeout=600,
+               env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -49,9 +54,9 @@ def records(out):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("dist")
-    run(d / "one", "--steps", "3", ranks=1)
-    run(d / "fsdp", "--steps", "4", "--parallel", "fsdp")
-    run(d / "ddp", "--steps", "3", "--parallel", "ddp")
+    train_run(d / "one", "--steps", "3", ranks=1)
+    train_run(d / "fsdp", "--steps", "4", "--parallel", "fsdp")
+    train_run(d / "ddp", "--steps", "3", "--parallel", "ddp")
     return d
 
 
@@ -80,15 +85,16 @@ def test_two_ranks_train_the_weights_of_one_process(runs, parallel):
 
 def test_sharded_checkpoint_resumes_exactly(runs, tmp_path):
     out = tmp_path / "resumed"
-    run(out, "--steps", "2", "--parallel", "fsdp")
+    train_run(out, "--steps", "2", "--parallel", "fsdp")
     assert sorted(os.listdir(out / "step_000002")) == sorted(os.listdir(runs / "fsdp" / "step_000002"))
     assert {"trainer_state_rank0.pt", "trainer_state_rank1.pt"} <= set(os.listdir(out / "step_000002"))
-    run(out, "--steps", "4", "--parallel", "fsdp", "--resume", "auto")
+    train_run(out, "--steps", "4", "--parallel", "fsdp", "--resume", "auto")
     straight, resumed = weights(runs / "fsdp", 4), weights(out, 4)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight), rel_diff(straight, resumed)
     straight, resumed = weights(runs / "fsdp" / "step_000004", "reference"), weights(out / "step_000004", "reference")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight), rel_diff(straight, resumed)
-    drop = {"time/step_s", "time/rollout_s", "time/sync_s", "tokens/per_s"}  # and memory/*: measured
+    drop = {"time/step_s", "time/rollout_s", "time/sync_s", "tokens/per_s",  # and memory/*: measured
+            "config"}  # the first record's: its --out differs
     clean = lambda recs: [{k: v for k, v in r.items() if k not in drop and not k.startswith("memory/")} for r in recs]
     assert clean(records(out)) == clean(records(runs / "fsdp"))
     # the gathered checkpoint is a plain HF model
@@ -97,9 +103,8 @@ def test_sharded_checkpoint_resumes_exactly(runs, tmp_path):
 
 
 def test_resume_on_another_world_size_is_refused(runs, tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", *ARGS, "--out", str(tmp_path), "--steps", "5",
-                           "--resume", str(runs / "fsdp" / "step_000002")], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    proc = run([sys.executable, "train.py", *ARGS, "--out", str(tmp_path), "--steps", "5",
+               "--resume", str(runs / "fsdp" / "step_000002")], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode != 0 and "saved by 2 trainer process(es), resumed with 1" in proc.stderr
 
 
@@ -111,8 +116,8 @@ def test_vllm_in_its_own_process_under_torchrun(tmp_path):
     are ~0.05 off without the CPU tied-lm_head repack after a reload)."""
     pytest.importorskip("vllm")
     no_reset = ["--kl-coef", "0", "--ref-reset-every", "0"]  # no optimizer reset: see the test above
-    run(tmp_path / "one", "--steps", "3", "--engine", "vllm", *no_reset, ranks=1)
-    run(tmp_path / "two", "--steps", "3", "--engine", "vllm", "--parallel", "fsdp", *no_reset)
+    train_run(tmp_path / "one", "--steps", "3", "--engine", "vllm", *no_reset, ranks=1)
+    train_run(tmp_path / "two", "--steps", "3", "--engine", "vllm", "--parallel", "fsdp", *no_reset)
     assert rel_diff(weights(tmp_path / "one", 3), weights(tmp_path / "two", 3)) < 1e-4
     a, b = records(tmp_path / "one"), records(tmp_path / "two")
     assert [r["tokens/generated"] for r in a] == [r["tokens/generated"] for r in b]
@@ -132,9 +137,13 @@ def test_two_nodes_train_like_two_local_ranks(runs, tmp_path):
     cmd = lambda node: [sys.executable, "-m", "torch.distributed.run", *common, "--node-rank", str(node), "train.py",
                         *ARGS, "--out", str(out), "--steps", "3", "--parallel", "fsdp"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    second = subprocess.Popen(cmd(1), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    first = subprocess.run(cmd(0), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert second.wait(timeout=120) == 0 and first.returncode == 0, first.stderr[-3000:] + second.stderr.read()[-3000:]
+    second = start(cmd(1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        first = run(cmd(0), env=env, timeout=600)
+        assert second.wait(timeout=120) == 0 and first.returncode == 0, \
+            first.stderr[-3000:] + second.stderr.read()[-3000:]
+    finally:
+        kill_group(second)
     skip = {"time/step_s", "time/rollout_s", "time/sync_s", "tokens/per_s", "config", "git"}
     clean = lambda recs: [{k: v for k, v in r.items() if k not in skip and not k.startswith("memory/")} for r in recs]
     assert clean(records(out)) == clean(records(runs / "fsdp")[:3])

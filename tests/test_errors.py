@@ -8,13 +8,14 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import time
 
 import pytest
+
 import torch
 
+from conftest import run
 import checkpoint
 import config
 import data
@@ -28,8 +29,7 @@ RUN = ["--steps", "2", "--eval-n", "8", "--train-groups", "2", "--prompts-per-st
 
 
 def run_train(*args, timeout=300):
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run([sys.executable, "train.py", *args], timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 # ------------------------------------------------------------------------------------------- flags
@@ -152,9 +152,9 @@ def test_resume_from_another_folder_into_a_used_one_is_refused(first_run, tmp_pa
 
 
 def test_keep_last_prunes_only_this_runs_checkpoints(tmp_path):
-    for step, run in ((1, "old"), (2, "old"), (3, "me"), (4, "me"), (5, "me")):
+    for step, owner in ((1, "old"), (2, "old"), (3, "me"), (4, "me"), (5, "me")):
         os.makedirs(tmp_path / f"step_{step:06d}")
-        (tmp_path / f"step_{step:06d}" / "manifest.json").write_text(json.dumps({"run": run, "step": step, "files": {}}))
+        (tmp_path / f"step_{step:06d}" / "manifest.json").write_text(json.dumps({"run": owner, "step": step, "files": {}}))
     os.makedirs(tmp_path / "step_000006")  # no manifest: nobody's
     assert checkpoint.prune(str(tmp_path), 2, "me") == ["step_000003"]
     assert sorted(os.listdir(tmp_path)) == ["step_000001", "step_000002", "step_000004", "step_000005", "step_000006"]

@@ -6,12 +6,13 @@ jsonl / parquet / a saved Hugging Face dataset, and the real entry point as a su
 import itertools
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
 import torch
 
+from conftest import run
 import data
 import engine as engine_lib
 import eval as ev
@@ -105,7 +106,7 @@ def tiny_model():
     return policy, tokenizer, rows, [data.encode_prompt(tokenizer, r["prompt"]) for r in rows]
 
 
-def run(tiny_model, segments, batch, temperature, seed=0):
+def sample_run(tiny_model, segments, batch, temperature, seed=0):
     policy, tokenizer, rows, ids = tiny_model
     engine = engine_lib.make_engine("hf", policy, tokenizer, seed)
     groups = ev.sample_all(engine, ids, rows, 3, 64, segments, batch, Sampling(temperature))
@@ -117,16 +118,16 @@ def run(tiny_model, segments, batch, temperature, seed=0):
 def test_segmented_equals_unsegmented(tiny_model, temperature):
     """Segments (and a batch refilled as samples finish) change only the scheduling: every token's random
     number depends on (seed, sample, position) only, so sampled responses are identical too."""
-    whole = run(tiny_model, segments=1, batch=64, temperature=temperature)
-    assert run(tiny_model, segments=4, batch=64, temperature=temperature) == whole
-    assert run(tiny_model, segments=8, batch=7, temperature=temperature) == whole  # 7: fewer slots than one refill
+    whole = sample_run(tiny_model, segments=1, batch=64, temperature=temperature)
+    assert sample_run(tiny_model, segments=4, batch=64, temperature=temperature) == whole
+    assert sample_run(tiny_model, segments=8, batch=7, temperature=temperature) == whole  # 7: fewer slots than one refill
     assert any(len(t) > 16 for g in whole for t, _ in g), "some response should span several segments"
     if temperature == 1.0:  # the draws really are random: the k samples of a problem differ
         assert any(len({tuple(t) for t, _ in g}) > 1 for g in whole)
 
 
 def test_sampling_is_reproducible_under_a_fixed_seed(tiny_model):
-    assert run(tiny_model, segments=4, batch=16, temperature=1.0) == run(tiny_model, 4, 16, 1.0)
+    assert sample_run(tiny_model, segments=4, batch=16, temperature=1.0) == sample_run(tiny_model, 4, 16, 1.0)
 
 
 # ------------------------------------------------------------------------------------------ benchmarks
@@ -168,8 +169,8 @@ def test_presets_and_overrides():
 def test_eval_script_writes_the_report(tmp_path):
     report = tmp_path / "report.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "eval.py", "--n-problems", "16", "--k", "2", "--segments", "2",
-                        "--report", str(report)], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    p = run([sys.executable, "eval.py", "--n-problems", "16", "--k", "2", "--segments", "2", "--report", str(report)],
+            timeout=120, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "avg@2" in p.stdout and "pass@2" in p.stdout and "maj@2" in p.stdout
     r = json.loads(report.read_text())

@@ -519,19 +519,19 @@ def test_policy_loss_tis_cap_hand():
 # ---------------------------------------------------------------------------------------------------------
 # 10. UloRL Eq. 10: DMMPT-masked tokens leave the numerator, not the denominator (nor their KL)
 
-def _naive_eq10(lp, old, adv, counted, keep, eps_low, eps_high, ref, kl_coef, agg):
-    """Eq. 10 as a double loop: 1 / sum_i |o_i| * sum_i sum_t [[keep]] * -min(r A, clip(r) A) (+ kl_coef * k3 on
-    every counted token); |o_i| counts every counted token of sample i, kept or masked. agg="sample": each
-    sample's sum over its own |o_i|, then the mean over samples with any counted token."""
+def _naive_eq10(lp, old, adv, loss_mask, pg_mask, eps_low, eps_high, ref, kl_coef, agg):
+    """Eq. 10 as a double loop: 1 / sum_i |o_i| * sum_i sum_t [[pg_mask]] * -min(r A, clip(r) A) (+ kl_coef * k3 on
+    every loss_mask token); |o_i| counts every loss_mask token of sample i, kept or masked. agg="sample": each
+    sample's sum over its own |o_i|, then the mean over samples with any loss_mask token."""
     per = _naive_per_token(lp, old, adv, eps_low, eps_high)
     sums, sizes = [], []
     for i in range(len(lp)):
         total, size = 0.0, 0
         for t in range(len(lp[0])):
-            if counted[i][t]:
+            if loss_mask[i][t]:
                 size += 1
                 d = ref[i][t] - lp[i][t]
-                total += (per[i][t] if keep[i][t] else 0.0) + kl_coef * (math.exp(d) - d - 1)
+                total += (per[i][t] if pg_mask[i][t] else 0.0) + kl_coef * (math.exp(d) - d - 1)
         sums.append(total)
         sizes.append(size)
     if agg == "token":
@@ -543,18 +543,18 @@ def _naive_eq10(lp, old, adv, counted, keep, eps_low, eps_high, ref, kl_coef, ag
 @pytest.mark.parametrize("agg", ["token", "sample"])
 @pytest.mark.parametrize("kl_coef", [0.0, 0.3])
 def test_eq10_masked_tokens_stay_in_the_denominator(agg, kl_coef):
-    lp, old, adv, counted, ref = _random_batch(11, B=6, T=9)
+    lp, old, adv, loss_mask, ref = _random_batch(11, B=6, T=9)
     g = torch.Generator().manual_seed(12)
-    keep = counted.bool() & (torch.rand(counted.shape, generator=g) < 0.6)  # DMMPTs drop ~40%
-    assert (counted.bool() & ~keep).sum() >= 10
+    pg_mask = loss_mask.bool() & (torch.rand(loss_mask.shape, generator=g) < 0.6)  # DMMPTs drop ~40%
+    assert (loss_mask.bool() & ~pg_mask).sum() >= 10
     lp = lp.clone().requires_grad_()
-    loss, metrics = policy_loss(lp, old, adv, counted, eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logprobs=ref,
-                                kl_coef=kl_coef, agg=agg, pg_mask=keep)
-    args = (old.tolist(), adv.tolist(), counted.tolist(), keep.tolist(), EPS_LOW, EPS_HIGH, ref.tolist(), kl_coef, agg)
+    loss, metrics = policy_loss(lp, old, adv, loss_mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logprobs=ref,
+                                kl_coef=kl_coef, agg=agg, pg_mask=pg_mask)
+    args = (old.tolist(), adv.tolist(), loss_mask.tolist(), pg_mask.tolist(), EPS_LOW, EPS_HIGH, ref.tolist(), kl_coef, agg)
     expected = _naive_eq10(lp.tolist(), *args)
     assert loss.item() == pytest.approx(expected, abs=1e-12)
     # the old rule (masked tokens out of the denominator too) is a different number: the test can tell
-    wrong, _ = policy_loss(lp, old, adv, keep, eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logprobs=ref,
+    wrong, _ = policy_loss(lp, old, adv, pg_mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logprobs=ref,
                            kl_coef=kl_coef, agg=agg)
     assert abs(wrong.item() - expected) > 1e-3
     # the gradient: central differences of the naive double loop
@@ -567,18 +567,18 @@ def test_eq10_masked_tokens_stay_in_the_denominator(agg, kl_coef):
         down[i][t] -= h
         fd = (_naive_eq10(up, *args) - _naive_eq10(down, *args)) / (2 * h)
         assert lp.grad[i, t].item() == pytest.approx(fd, abs=1e-6), (i, t)
-    if kl_coef:  # the KL is a mean over every counted token, masked ones included
+    if kl_coef:  # the KL is a mean over every loss_mask token, masked ones included
         assert metrics["loss/kl"] == pytest.approx(
-            torch.where(counted.bool(), kl_k3(lp.detach(), ref), 0).sum().item() / counted.sum().item(), abs=1e-12)
+            torch.where(loss_mask.bool(), kl_k3(lp.detach(), ref), 0).sum().item() / loss_mask.sum().item(), abs=1e-12)
 
 
 def test_eq10_hand_value():
     # 2 samples x 3 tokens, ratio 1 (pi_old = pi), A = [1, -1]; sample 0's tokens 1 and 2 are masked (DMMPTs).
-    # Eq. 10: (-1 [s0,t0] + 1 + 1 + 1 [s1]) / 6 counted tokens = 2/6. Dividing by the 4 kept ones would give 2/4.
+    # Eq. 10: (-1 [s0,t0] + 1 + 1 + 1 [s1]) / 6 loss_mask tokens = 2/6. Dividing by the 4 kept ones would give 2/4.
     lp = torch.full((2, 3), -0.5, dtype=torch.float64)
-    counted = torch.ones(2, 3, dtype=torch.bool)
-    keep = torch.tensor([[True, False, False], [True, True, True]])
-    loss, _ = policy_loss(lp, lp, torch.tensor([1.0, -1.0], dtype=torch.float64), counted, pg_mask=keep)
+    loss_mask = torch.ones(2, 3, dtype=torch.bool)
+    pg_mask = torch.tensor([[True, False, False], [True, True, True]])
+    loss, _ = policy_loss(lp, lp, torch.tensor([1.0, -1.0], dtype=torch.float64), loss_mask, pg_mask=pg_mask)
     assert loss.item() == pytest.approx(2 / 6, abs=1e-12)
 
 

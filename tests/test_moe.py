@@ -11,20 +11,23 @@ import copy
 import json
 import os
 import random
-import subprocess
 import sys
 
 import pytest
+
 import torch
 from safetensors.torch import load_file
 
+from conftest import run
 import model as model_lib
 import tiny
 from engine import Sampling, process_logits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # MoE runs with vLLM and torchrun: -m "not slow" skips them
 RUN = ["--eval-data", "", "--max-response-len", "32", "--segments", "2", "--train-groups", "4",
-       "--prompts-per-step", "4", "--dump-samples", "0", "--save-every", "1", "--keep-last", "0"]
+       "--prompts-per-step", "4", "--dump-samples", "0", "--save-every", "1", "--keep-last", "0",
+       "--lr-final", "1"]  # a constant learning rate: a 2-step run resumed to 4 is compared with a 4-step one
 HAS_VLLM = __import__("importlib").util.find_spec("vllm") is not None
 
 
@@ -47,9 +50,9 @@ def moe(tmp_path_factory):
 def train(out, model_dir, data, *extra, ranks=1):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] \
         if ranks > 1 else [sys.executable]
-    proc = subprocess.run([*launcher, "train.py", *RUN, "--model", str(model_dir), "--data", str(data), "--out", str(out),
-                           *extra], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run([*launcher, "train.py", *RUN, "--model", str(model_dir), "--data", str(data), "--out", str(out),
+               *extra], cwd=ROOT, timeout=900,
+               env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -118,9 +121,9 @@ def test_moe_resumes_exactly_and_its_checkpoint_loads_and_evaluates(moe, tmp_pat
     assert loaded.config.model_type == "qwen3_moe" and not loaded.config.tie_word_embeddings
     trained = dict(loaded.named_parameters())
     assert torch.equal(trained["model.layers.1.mlp.experts.down_proj"][2], a["model.layers.1.mlp.experts.2.down_proj.weight"])
-    proc = subprocess.run([sys.executable, "eval.py", "--model", str(ckpt), "--data", str(moe[1]), "--n-problems", "8",
-                           "--k", "2", "--max-response-len", "32", "--report", str(tmp_path / "r.json")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run([sys.executable, "eval.py", "--model", str(ckpt), "--data", str(moe[1]), "--n-problems", "8",
+               "--k", "2", "--max-response-len", "32", "--report", str(tmp_path / "r.json")],
+               cwd=ROOT, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["n_problems"] == 8 and 0 < report["mean_reward"] <= 1

@@ -7,13 +7,14 @@ that transformers and vLLM load. The plan against measured peaks: test_distribut
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from conftest import run
 import model as model_lib
 import plan as plan_lib
 import tiny
@@ -57,16 +58,16 @@ def test_a_run_that_cannot_fit_stops_before_loading(tmp_path):
     """The huge model has no weight files: had anything been loaded, the error would be a missing file. The
     plan (--plan) prints its items, and the run stops with the total against this machine's memory."""
     d = huge_config(tmp_path)
-    run = lambda *extra: subprocess.run([sys.executable, "train.py", "--model", str(d), "--eval-data", "",
-                                         "--out", str(tmp_path / "out"), "--engine", "hf", *extra],
-                                        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    shown = run("--plan")
+    train = lambda *extra: run([sys.executable, "train.py", "--model", str(d), "--eval-data", "",
+                               "--out", str(tmp_path / "out"), "--engine", "hf", *extra],
+                               cwd=ROOT, timeout=300)
+    shown = train("--plan")
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "AdamW moments" in shown.stdout and "activations" in shown.stdout
     weights_gib = float(next(line.split()[-2] for line in shown.stdout.splitlines() if line.strip().startswith("weights")))
     P = plan_lib.Shape.of(Qwen3Config.from_pretrained(d)).params()
     assert abs(weights_gib - P * 4 / 2**30) < 0.01  # fp32 on CPU
-    stopped = run()
+    stopped = train()
     assert stopped.returncode == 1
     assert "cannot fit" in stopped.stderr and "GiB" in stopped.stderr and "more than its" in stopped.stderr
     assert "safetensors" not in stopped.stderr and not (tmp_path / "out" / "metrics.jsonl").exists()
@@ -89,6 +90,7 @@ def test_plan_items_follow_the_flags(tmp_path):
     assert plan_lib.make_plan(shape, cfg, 1, 4, True).engine["weights"] == shape.params() * 4 // 4
 
 
+@pytest.mark.slow
 def test_plan_is_within_a_quarter_of_the_measured_peak(moe_dir, tmp_path):
     """Two steps of the tiny default (micro-batches full, as the plan assumes) on the dense and the MoE model:
     the plan's per-rank total against the host-memory high-water mark from before loading to the end of the
@@ -98,9 +100,9 @@ def test_plan_is_within_a_quarter_of_the_measured_peak(moe_dir, tmp_path):
                                         "verifier": "ifeval"}) + "\n" for i in range(100)))
     for name, extra in (("dense", []), ("moe", ["--model", str(moe_dir), "--data", str(data)])):
         out = tmp_path / name
-        proc = subprocess.run([sys.executable, "train.py", "--steps", "2", "--eval-n", "64", "--dump-samples", "0",
-                               "--dynamic-sampling", "false", "--out", str(out), *extra], cwd=ROOT,
-                              capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        proc = run([sys.executable, "train.py", "--steps", "2", "--eval-n", "64", "--dump-samples", "0",
+                   "--dynamic-sampling", "false", "--out", str(out), *extra], cwd=ROOT,
+                   timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         planned = next(r["memory/plan_trainer_mib"] for r in recs if "memory/plan_trainer_mib" in r)
@@ -113,9 +115,9 @@ def test_sharded_loading_gives_the_pretrained_weights(moe_dir):
     every parameter and buffer equals from_pretrained's (dense tied, and MoE whose per-expert tensors on disk
     become transformers' fused ones)."""
     for path in (tiny.CKPT, moe_dir):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               __file__, str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+        proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   __file__, str(path)], cwd=ROOT, timeout=300,
+                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         assert proc.stdout.count("equal") == 1, proc.stdout
 
@@ -135,6 +137,7 @@ def test_streamed_checkpoint_loads_in_transformers(moe_dir, tmp_path):
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+@pytest.mark.slow
 def test_streamed_checkpoint_loads_in_vllm(tmp_path):
     """The same sharded layout through vLLM's loader: eval.py on it gives the same greedy answers as on the
     single-file original."""
@@ -144,9 +147,9 @@ def test_streamed_checkpoint_loads_in_vllm(tmp_path):
     answers = []
     for path in (tiny.CKPT, tmp_path / "ckpt"):
         report = tmp_path / f"{len(answers)}.json"
-        proc = subprocess.run([sys.executable, "eval.py", "--model", str(path), "--engine", "vllm", "--n-problems",
-                               "16", "--k", "1", "--temperature", "1e-5", "--report", str(report)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        proc = run([sys.executable, "eval.py", "--model", str(path), "--engine", "vllm", "--n-problems",
+                   "16", "--k", "1", "--temperature", "1e-5", "--report", str(report)], cwd=ROOT,
+                   timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         answers.append([(p["answers"], p["lengths"]) for p in json.loads(report.read_text())["per_problem"]])
     assert answers[0] == answers[1]

@@ -5,11 +5,11 @@ written as a valid, non-empty PNG, into --out or the first run directory.
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from conftest import run
 import plot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,14 +34,19 @@ def write_run(path, seed, sigma=0.2, steps=6):
         f.writelines(json.dumps(r) + "\n" for r in records)
 
 
-def check_pngs(out_dir):
-    for name in plot.FIGURES:
-        path = os.path.join(out_dir, name)
-        assert os.path.exists(path), f"{name} not written"
+def expected_figures(run_dirs) -> set[str]:
+    """The figures of plot.FIGURES that have data: any of their keys logged (not null) in any run. A figure
+    added to FIGURES is checked here without a test change."""
+    logged = {k for d in run_dirs for r in plot.read_metrics(str(d)) for k, v in r.items() if v is not None}
+    return {name for name, panels in plot.FIGURES.items() if any(k in logged for _, keys in panels for k, _ in keys)}
+
+
+def check_pngs(paths):
+    for path in paths:
         with open(path, "rb") as f:
             blob = f.read()
-        assert blob[:8] == PNG_SIGNATURE, f"{name} is not a PNG"
-        assert len(blob) > 5000, f"{name} is suspiciously small ({len(blob)} bytes)"
+        assert blob[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+        assert len(blob) > 5000, f"{path} is suspiciously small ({len(blob)} bytes)"
 
 
 def test_two_runs_into_out_dir(tmp_path):
@@ -49,17 +54,52 @@ def test_two_runs_into_out_dir(tmp_path):
     write_run(str(tmp_path / "run_b"), seed=1)
     out = tmp_path / "plots"
     written = plot.main([str(tmp_path / "run_a"), str(tmp_path / "run_b"), "--out", str(out)])
-    assert sorted(os.path.basename(p) for p in written) == sorted(plot.FIGURES)
-    check_pngs(str(out))
+    want = expected_figures([tmp_path / "run_a", tmp_path / "run_b"])
+    assert {"reward.png", "entropy.png", "eval.png"} <= want  # the synthetic runs log these at least
+    assert {os.path.basename(p) for p in written} == want and all(os.path.dirname(p) == str(out) for p in written)
+    check_pngs(written)
 
 
 def test_script_writes_into_first_run_dir(tmp_path):
     write_run(str(tmp_path / "run_a"), seed=0)
     write_run(str(tmp_path / "run_b"), seed=1)
-    p = subprocess.run([sys.executable, "plot.py", str(tmp_path / "run_a"), str(tmp_path / "run_b")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    p = run([sys.executable, "plot.py", str(tmp_path / "run_a"), str(tmp_path / "run_b")], cwd=ROOT,
+            timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
-    check_pngs(str(tmp_path / "run_a"))
+    want = expected_figures([tmp_path / "run_a", tmp_path / "run_b"])
+    assert want and want <= set(os.listdir(tmp_path / "run_a"))
+    check_pngs([tmp_path / "run_a" / name for name in want])
+
+
+def test_keys_draw_any_metric_and_name_the_known_ones(tmp_path):
+    write_run(str(tmp_path / "run"), seed=0)
+    path = tmp_path / "run" / "metrics.jsonl"
+    records = [json.loads(line) for line in open(path)]
+    for r in records[1:]:
+        r["my/new_metric"] = 0.1 * r["step"]  # a key no figure knows
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    written = plot.main([str(tmp_path / "run"), "--keys", "my/new_metric,eval/accuracy"])
+    assert [os.path.basename(p) for p in written] == ["my-new_metric+eval-accuracy.png"]
+    check_pngs(written)
+    with pytest.raises(SystemExit, match="no run logged any of them.*my/new_metric"):
+        plot.main([str(tmp_path / "run"), "--keys", "my/typo"])
+
+
+def test_seeds_mode_keeps_a_colour_per_variant_and_a_style_per_metric(tmp_path, monkeypatch):
+    for name, seed in (("off_s0", 0), ("off_s1", 1), ("dyn_s0", 2), ("dyn_s1", 3)):
+        write_run(str(tmp_path / name), seed=seed)
+    figures = {}
+    monkeypatch.setattr(plot.plt, "close", lambda fig: figures.setdefault(len(figures), fig))
+    written = plot.main([str(tmp_path / n) for n in ("off_s0", "off_s1", "dyn_s0", "dyn_s1")] +
+                        ["--seeds", "--out", str(tmp_path / "fig")])
+    reward = figures[[os.path.basename(p) for p in written].index("reward.png")]
+    lines = {line.get_label(): line for line in reward.axes[0].get_lines() if not line.get_label().startswith("_")}
+    assert set(lines) == {"off: reward/mean", "off: eval/accuracy", "dyn: reward/mean", "dyn: eval/accuracy"}
+    colour = {label: line.get_color() for label, line in lines.items()}
+    assert colour["off: reward/mean"] == colour["off: eval/accuracy"] != colour["dyn: reward/mean"]
+    assert colour["dyn: reward/mean"] == colour["dyn: eval/accuracy"]
+    style = {label: line.get_linestyle() for label, line in lines.items()}
+    assert style["off: reward/mean"] == style["dyn: reward/mean"] != style["off: eval/accuracy"]
 
 
 def test_series_skips_nulls_and_step0_time(tmp_path):

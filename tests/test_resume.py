@@ -14,12 +14,15 @@ import sys
 import time
 
 import pytest
+
 import torch
 from safetensors.torch import load_file
 
+from conftest import kill_group, run, start
 import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # 8-step runs, killed and resumed: -m "not slow" skips them
 ARGS = ["--steps", "8", "--save-every", "1", "--keep-last", "0", "--eval-n", "16", "--eval-every", "3",
         "--train-groups", "4", "--prompts-per-step", "4", "--max-response-len", "32", "--segments", "4"]
 TIMING = {"time/step_s", "time/rollout_s", "time/sync_s", "tokens/per_s", "config"}  # may differ (config: --out), as memory/* do
@@ -59,7 +62,7 @@ def wait_for_step(out, step, proc, timeout=300):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("whole")
-    p = subprocess.run(command(out), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    p = run(command(out), cwd=ROOT, env=env(), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return out
 
@@ -67,16 +70,18 @@ def uninterrupted(tmp_path_factory):
 @pytest.fixture(scope="module")
 def killed_and_resumed(tmp_path_factory):
     out = tmp_path_factory.mktemp("killed")
-    proc = subprocess.Popen(command(out), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_step(out, 3, proc)
-    time.sleep(random.Random().uniform(0, 1.0))  # somewhere in step 4 or 5: mid-rollout, mid-update, mid-save
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc = start(command(out), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_step(out, 3, proc)
+        time.sleep(random.Random().uniform(0, 1.0))  # somewhere in step 4 or 5: mid-rollout, mid-update, mid-save
+        proc.send_signal(signal.SIGKILL)  # the trainer alone, as kill -9 PID does
+        proc.wait()
+    finally:
+        kill_group(proc)  # and whatever it left behind
     resume_from = checkpoint.find_resume("auto", str(out))
     with open(os.path.join(resume_from, "ulorl_state.json")) as f:
         saved = json.load(f)
-    p = subprocess.run(command(out, "--resume", "auto"), cwd=ROOT, env=env(), capture_output=True, text=True,
-                       timeout=600)
+    p = run(command(out, "--resume", "auto"), cwd=ROOT, env=env(), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"resumed from {resume_from} at step {saved['step']}" in p.stdout
     return out, saved
@@ -132,10 +137,13 @@ def test_resume_auto_skips_damaged_checkpoints(uninterrupted, tmp_path, capsys):
 def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "term"
     cmd = command(out) + ["--steps", "100", "--save-every", "0"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_step(out, 1, proc)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
+    proc = start(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(out, 1, proc)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc)
     assert proc.returncode == 0, stderr[-3000:]
     last = records(out / "metrics.jsonl")[-1]["step"]
     assert f"stopped by SIGTERM after step {last}" in stdout

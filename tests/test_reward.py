@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from conftest import run
 import reward
 from reward import extract_answer, math_equal, overlong_reward, score_batch, tiny_reward
 
@@ -538,12 +539,11 @@ def math_verify_cases(tmp_dir) -> list[tuple[str, str, int]]:
     read from the sdist that pip downloads: nothing of math-verify's is copied into this repository."""
     import ast
     import importlib.metadata
-    import subprocess
     import sys
     import tarfile
     version = importlib.metadata.version("math-verify")
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                           f"math-verify=={version}", "-d", str(tmp_dir)], capture_output=True, text=True, timeout=300)
+    proc = run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+               f"math-verify=={version}", "-d", str(tmp_dir)], timeout=300)
     if proc.returncode != 0:
         if os.environ.get("CI"):
             raise AssertionError(f"pip download math-verify=={version} failed: {proc.stderr[-2000:]}")
@@ -579,7 +579,6 @@ def test_math_verifier_agrees_with_math_verify_cases(tmp_path):
 def test_public_functions_work_from_a_script_without_a_main_guard(tmp_path):
     """A plain script (a file, not `python -c`) that calls the reward functions at its top level: the pool's
     workers must not run it again."""
-    import subprocess
     import sys
     script = tmp_path / "score.py"
     script.write_text("import reward\n"
@@ -587,7 +586,6 @@ def test_public_functions_work_from_a_script_without_a_main_guard(tmp_path):
                       "print('math_reward', reward.math_reward(r'so \\boxed{\\frac{1}{2}}', '0.5'))\n"
                       "print('score_batch', reward.score_batch([('tiny', '4=7:7', '7'), ('math', '0.25', '1/4')])[0])\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=root), cwd=tmp_path)
+    proc = run([sys.executable, str(script)], timeout=120, env=dict(os.environ, PYTHONPATH=root), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["math_equal True", "math_reward 1.0", "score_batch [1.0, 1.0]"]

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+
 import reward
 import sandbox
 from sandbox import code_reward, extract_code, run_program
@@ -74,7 +75,7 @@ def test_fork_bomb_cannot_fork_and_the_trainer_still_can():
                        ONE_TEST) == 0.0  # threads count as processes too
     assert code_reward(fenced("import subprocess\nprint(subprocess.check_output(['echo', 'ok']).decode())"),
                        ONE_TEST) == 0.0
-    assert subprocess.run(["true"]).returncode == 0  # RLIMIT_NPROC is per user: the trainer must not be hit
+    assert subprocess.run(["true"], timeout=10).returncode == 0  # RLIMIT_NPROC is per user: the trainer must not be hit
     pid = os.fork()
     if pid == 0:
         os._exit(0)

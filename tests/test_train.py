@@ -1,15 +1,15 @@
 """The real entry point as a subprocess with a tiny budget: the metrics.jsonl / samples.jsonl / checkpoint
-contracts of DESIGN.md, the CLI flags, and clear errors on bad data.
+contracts that outside tools rely on, the CLI flags, and clear errors on bad data.
 
     python -m pytest tests/test_train.py -q
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from conftest import run
 import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,8 +22,7 @@ METRIC_KEYS = ["step", "time/step_s", "reward/mean", "entropy/mean", "mpt/masked
 
 def run_train(*args, timeout=300):
     env = dict(os.environ, OMP_NUM_THREADS="1")  # tests may run beside each other on 2 cores
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return run([sys.executable, "train.py", *args], cwd=ROOT, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +65,21 @@ def test_metrics_contract(short_run):
         assert 0 <= r["staleness/last_segment_mean"] <= r["staleness/last_segment_max"] <= r["step"] - 1
     assert recs[1]["staleness/token_max"] == 0 and recs[3]["staleness/token_max"] >= 1
     assert "eval accuracy" in p.stdout and "step     3" in p.stdout
+    # piped, no progress bar: its carriage returns would glue it to the step line that follows an evaluation
+    assert "\r" not in p.stdout + p.stderr
+    assert [line.split("|")[0].split()[1] for line in p.stdout.splitlines() if line.startswith("step ")] == \
+        ["0", "1", "2", "3"]
+
+
+def test_eval_every_0_never_evaluates(tmp_path):
+    p = run_train("--steps", "1", "--eval-every", "0", "--train-groups", "2", "--prompts-per-step", "2",
+                  "--dump-samples", "0", "--out", str(tmp_path), timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1] and not any(k.startswith("eval/") for k in recs[0])
+    assert recs[0]["config"]["eval_every"] == 0 and recs[0]["git"]  # the first record holds the config
+    with pytest.raises(SystemExit):  # nothing to count evaluations with
+        config.parse_config(["--ref-reset-on-stall", "2", "--eval-every", "0", "--kl-coef", "0.1"])
 
 
 def test_samples_contract(short_run):
@@ -120,6 +134,7 @@ def test_reset_without_kl_warns_that_it_resets_only_the_optimizer(capsys):
     assert "only clears the optimizer state" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_hub_name_loads_from_the_local_cache_offline(tmp_path):
     """--model ORG/NAME as every peer takes it: here from a fresh Hugging Face cache holding the tiny model
     under a hub-style name, offline (HF_HUB_OFFLINE=1), through transformers and (when installed) vLLM."""
@@ -132,13 +147,13 @@ def test_a_hub_name_loads_from_the_local_cache_offline(tmp_path):
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     engines = ["hf", "vllm"] if __import__("importlib").util.find_spec("vllm") else ["hf"]
     for engine in engines:
-        p = subprocess.run([sys.executable, "train.py", "--model", "ulorl-test/tiny-qwen3", "--engine", engine,
-                            "--steps", "1", "--eval-n", "8", "--out", str(tmp_path / engine)], cwd=ROOT,
-                           capture_output=True, text=True, timeout=600, env=env)
+        p = run([sys.executable, "train.py", "--model", "ulorl-test/tiny-qwen3", "--engine", engine,
+                "--steps", "1", "--eval-n", "8", "--out", str(tmp_path / engine)], cwd=ROOT,
+                timeout=600, env=env)
         assert p.returncode == 0, p.stderr[-3000:]
         assert os.path.exists(tmp_path / engine / "step_000001" / "model.safetensors")
-    p = subprocess.run([sys.executable, "train.py", "--model", "ulorl-test/not-there", "--out", str(tmp_path / "x")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    p = run([sys.executable, "train.py", "--model", "ulorl-test/not-there", "--out", str(tmp_path / "x")],
+            cwd=ROOT, timeout=300, env=env)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "--model ulorl-test/not-there: neither a local directory nor a model" in p.stderr
 
@@ -155,6 +170,7 @@ def test_an_engine_that_disagrees_with_the_trainer_stops_the_run(tmp_path):
     assert p.returncode == 0 and "WARNING: the rollout engine and the trainer disagree" in p.stderr
 
 
+@pytest.mark.slow
 def test_report_to_tensorboard_and_wandb_offline(tmp_path):
     """--report-to: the same numbers as metrics.jsonl, in TensorBoard event files and an offline W&B run
     (no network, no account)."""

@@ -7,9 +7,9 @@ knows its addition task, so puzzle rewards are ~0 (its character tokenizer reads
 """
 import json
 import os
-import subprocess
 import sys
 
+from conftest import run
 import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,8 +24,8 @@ def test_mixed_math_and_reasoning_gym_run(tmp_path):
            "--eval-data", "", "--dynamic-sampling", "false", "--out", str(out), "--max-prompt-len", "200",
            "--max-response-len", "24", "--segments", "1", "--prompts-per-step", "4", "--group-size", "2",
            "--train-groups", "4", "--engine", "hf"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = run(cmd, cwd=ROOT, timeout=300,
+            env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stderr[-3000:]
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in records] == [1, 2]  # the reward curve: one point per step
@@ -48,7 +48,7 @@ def test_mixed_math_and_reasoning_gym_run(tmp_path):
 def test_prompts_all_too_long_stop_with_a_message(tmp_path):
     """Reasoning Gym prompts are longer than the tiny default's --max-prompt-len 64: the run must say so,
     not skip prompts forever."""
-    p = subprocess.run([sys.executable, "train.py", "--data", "rg:chain_sum:20", "--steps", "1", "--eval-data", "",
-                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = run([sys.executable, "train.py", "--data", "rg:chain_sum:20", "--steps", "1", "--eval-data", "",
+            "--out", str(tmp_path)], cwd=ROOT, timeout=120,
+            env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode != 0 and "every prompt is longer than --max-prompt-len 64" in p.stderr, p.stderr[-2000:]

@@ -275,3 +275,24 @@ def test_reset_without_a_reference_clears_only_the_optimizer(tok, lm):
     ulorl.reset_reference(policy, None, opt)
     assert len(opt.state) == 0
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+
+
+def test_lr_factor_warms_up_then_follows_the_cosine_to_lr_final():
+    """The schedule by hand: 10 steps of 4 mini-batches (16 groups x 8 / 32) = 40 updates, 4 of warm-up, the
+    cosine over all the others; then 10 steps of one update whose last 4 anneal."""
+    cfg = config.parse_config(["--steps", "10", "--mini-batch", "32", "--warmup-steps", "4", "--lr-final", "0.1",
+                               "--lr-decay-steps", "0"])
+    f = [ulorl.lr_factor(u, cfg) for u in range(40)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warm-up, then the cosine starts at 1
+    assert f[39] == pytest.approx(0.1)  # the last update runs at --lr-final
+    middle = 4 + (39 - 4) / 2  # halfway through the cosine: (1 + 0.1) / 2
+    assert ulorl.lr_factor(middle, cfg) == pytest.approx(0.55)
+    assert all(a >= b for a, b in zip(f[3:], f[4:]))  # never rises after warm-up
+    wsd = config.parse_config(["--steps", "10", "--lr-decay-steps", "4", "--lr-final", "0.2"])  # 1 update a step
+    f = [ulorl.lr_factor(u, wsd) for u in range(10)]
+    assert f[:7] == [1.0] * 7 and f[9] == pytest.approx(0.2)  # stable, then the last 4 steps anneal
+    assert f[7] == pytest.approx(0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi / 3)))
+    constant = config.parse_config(["--steps", "10", "--lr-final", "1"])
+    assert {ulorl.lr_factor(u, constant) for u in range(12)} == {1.0}
+    for preset in ("ulorl", "prorl"):  # both papers train at a constant learning rate
+        assert config.PRESETS[preset]["lr_final"] == 1.0
