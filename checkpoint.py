@@ -4,18 +4,30 @@ A checkpoint `step_NNNNNN/` holds HF-format weights (safetensors, gathered param
 shards; `AutoModelForCausalLM.from_pretrained` and vLLM load it), the reference model (`reference/`), one
 optimizer + scheduler + RNG state per trainer rank (`trainer_state_rankN.pt`), and `ulorl_state.json`: the
 unfinished samples, the experience pool and the ready groups, the run state (step, policy version, data
-cursor), Python's RNG, the config. `manifest.json` lists the size of every file and the sha256 of every
-file up to HASH_MAX_BYTES: hashing the weights of a 30B model (policy + reference, ~120 GB) at every save
-would take minutes, and a torn or truncated write already shows in the sizes. Everything is written to
-`step_NNNNNN.tmp`, fsynced, then renamed: a crash leaves either the old state or the new one.
+cursor), Python's RNG, the config. `manifest.json` lists the size and sha256 of every file. The weights, the
+optimizer states and the run state are hashed as they are written (model.HashingWriter), so a save reads
+nothing back; the few small files a library writes itself (config, tokenizer) are read back. Resume checks
+every file against its digest: one flipped bit anywhere is caught, at the cost of reading the checkpoint once
+(a 30B policy + reference + AdamW in fp32 is ~0.7 TB over all ranks: minutes at a few GB/s). Everything is written to
+`step_NNNNNN.tmp`, fsynced, then renamed (a step saved again, on the engine-failure path, is swapped in with
+one renameat2(RENAME_EXCHANGE)): at every instant a complete checkpoint is there, the old or the new.
+
+A run holds `--out/.lock` (an exclusive flock, rank 0, for its whole life): a second run on the same --out is
+refused instead of mixing its records and checkpoints with the first's. flock is local to one machine: it
+does not keep out a run on another machine writing to the same network file system.
 """
+import ctypes
+import errno
+import fcntl
 import dataclasses
 import hashlib
 import json
 import os
 import random
 import shutil
+import socket
 import sys
+import time
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -24,7 +36,8 @@ import model as model_lib
 from segment_rollout import Pools, Sample
 from ulorl import RunState
 
-HASH_MAX_BYTES = 64 << 20  # files up to 64 MiB get a sha256 in the manifest (all of the tiny model's); bigger ones a size
+AT_FDCWD, RENAME_EXCHANGE = -100, 2
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def file_digest(path: str) -> str:
@@ -58,14 +71,17 @@ def load_optimizer(opt, saved: dict) -> None:
     opt.load_state_dict(saved)
 
 
-def write_manifest(tmp: str, run_id: str, step: int) -> None:
-    """manifest.json: which run and step wrote the checkpoint, and each file's size (and sha256 up to
-    HASH_MAX_BYTES)."""
+def write_manifest(tmp: str, run_id: str, step: int, digests: dict[str, dict]) -> None:
+    """manifest.json: which run and step wrote the checkpoint, and each file's size and sha256: from `digests`
+    (relative path -> {size, sha256}, taken as the files were written), else read now."""
     files = sorted(os.path.relpath(os.path.join(d, n), tmp) for d, _, names in os.walk(tmp) for n in names)
     listing = {}
     for f in files:
-        size = os.path.getsize(os.path.join(tmp, f))
-        listing[f] = {"size": size, **({"sha256": file_digest(os.path.join(tmp, f))} if size <= HASH_MAX_BYTES else {})}
+        path = os.path.join(tmp, f)
+        listing[f] = digests.get(f) or {"size": os.path.getsize(path), "sha256": file_digest(path)}
+        if listing[f]["size"] != os.path.getsize(path):
+            raise OSError(errno.EIO, f"{f} has {os.path.getsize(path)} bytes on disk, {listing[f]['size']} were "
+                                     f"written", path)
     with open(os.path.join(tmp, "manifest.json"), "w") as fh:
         json.dump({"run": run_id, "step": step, "files": listing}, fh, indent=1)
     for f in files + ["manifest.json"]:  # data on disk before the rename makes it visible
@@ -85,15 +101,21 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     model_lib.barrier()
+    digests = {}  # relative path -> {size, sha256}, hashed as written
     for model, sub in ((lm, ""), (ref_lm, "reference")):
         if model is not None:
             if lead:
-                model_lib.save_weights(model, model_lib.hf_weights(model), tokenizer, os.path.join(tmp, sub))
+                written = model_lib.save_weights(model, model_lib.hf_weights(model), tokenizer, os.path.join(tmp, sub))
+                digests.update({os.path.join(sub, name): d for name, d in written.items()})
             else:
                 model_lib.gather_only(model)
-    torch.save({"optimizer": local_shards(opt.state_dict()), "scheduler": sched.state_dict(),
-                "engine_rng": engine.rng_state() if engine is not None else None,
-                "torch_rng": torch.get_rng_state()}, os.path.join(tmp, f"trainer_state_rank{model_lib.rank()}.pt"))
+    name = f"trainer_state_rank{model_lib.rank()}.pt"
+    with model_lib.HashingWriter(os.path.join(tmp, name)) as f:
+        torch.save({"optimizer": local_shards(opt.state_dict()), "scheduler": sched.state_dict(),
+                    "engine_rng": engine.rng_state() if engine is not None else None,
+                    "torch_rng": torch.get_rng_state()}, f)
+    for ranks_digest in model_lib.gather_objects({name: f.digest()}):  # every rank's, to rank 0's manifest
+        digests.update(ranks_digest)
     model_lib.barrier()
     if lead:
         run_state = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "ready"}
@@ -101,14 +123,68 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
                       "experience": [dataclasses.asdict(s) for g in pools.experience.values() for s in g],
                       "ready": [[dataclasses.asdict(s) for s in g] for g in state.ready],
                       "next_uid": pools.next_uid, "next_group": pools.next_group}
-        with open(os.path.join(tmp, "ulorl_state.json"), "w") as f:
-            json.dump({"config": dataclasses.asdict(cfg), "git": git, **run_state, "world_size": model_lib.world(),
-                       "python_rng": random.getstate(), "pools": pool_state}, f)
-        write_manifest(tmp, state.run_id, state.step)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+        with model_lib.HashingWriter(os.path.join(tmp, "ulorl_state.json")) as f:
+            f.write(json.dumps({"config": dataclasses.asdict(cfg), "git": git, **run_state,
+                                "world_size": model_lib.world(), "python_rng": random.getstate(),
+                                "pools": pool_state}).encode())
+        digests["ulorl_state.json"] = f.digest()
+        write_manifest(tmp, state.run_id, state.step, digests)
+        publish(tmp, path)
         prune(cfg.out, cfg.keep_last, state.run_id)
     model_lib.barrier()
+
+
+def publish(tmp: str, path: str) -> None:
+    """The finished checkpoint `tmp` becomes `path`. A new step is a rename. A step saved again (the engine
+    failure path) is swapped with its old copy in one renameat2(RENAME_EXCHANGE), and the old copy, now
+    under `tmp`'s name, deleted: deleting first and renaming after would leave, for a SIGKILL in between,
+    only a `.tmp` that resume does not trust."""
+    if not os.path.exists(path):
+        os.replace(tmp, path)
+        return
+    if _libc.renameat2(AT_FDCWD, os.fsencode(tmp), AT_FDCWD, os.fsencode(path), RENAME_EXCHANGE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"swapping in a checkpoint with renameat2(RENAME_EXCHANGE) failed ({os.strerror(code)}; "
+                            f"a file system without it, such as NFS, cannot hold --out)", path)
+    shutil.rmtree(tmp)
+
+
+def lock_out(out: str):
+    """Take --out for this run: an exclusive, non-blocking flock on out/.lock, held while the returned file is
+    open (the process's life; the kernel drops it when the process dies, even by SIGKILL). A folder that
+    another live run holds is refused, naming that run's pid and host."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        f = open(os.path.join(out, ".lock"), "a+")
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write there ({e.strerror})") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process that did not say which"
+        f.close()
+        raise ValueError(f"--out {out} is in use by another run ({holder}); two runs in one folder would mix "
+                         f"their records and checkpoints: wait for it to end, or choose another --out") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f
+
+
+WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+
+
+def write_error(e: OSError, what: str, out: str) -> ValueError | None:
+    """A user's error, not a traceback, for a write that the machine refused (full disk, quota, read-only or
+    forbidden --out): what failed, and what is safe. None for any other error."""
+    if e.errno not in WRITE_ERRORS:
+        return None
+    newest = next((n for n in reversed(list_checkpoints(out)) if problem(os.path.join(out, n)) is None), None)
+    safe = (f"the checkpoints before it are intact (the newest, {newest}, resumes with --resume auto once "
+            f"--out can be written)" if newest else "no checkpoint of this run was complete yet")
+    return ValueError(f"{what}: {e.strerror} ({e.filename or out}); {safe}")
 
 
 def prune(out: str, keep_last: int, run_id: str) -> list[str]:

@@ -5,6 +5,7 @@ wrapping and the few collectives the update needs, gathering full weights, and H
 """
 import contextlib
 import copy
+import hashlib
 import itertools
 import json
 import os
@@ -421,6 +422,15 @@ def broadcast(obj):
     return box[0]
 
 
+def gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank ([obj] in one process)."""
+    if world() == 1:
+        return [obj]
+    out = [None] * world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def barrier() -> None:
     if world() > 1:
         dist.barrier()
@@ -483,19 +493,75 @@ def hf_weights(lm, on_meta: bool = False):
         yield from revert_weight_conversion(lm, full).items()
 
 
-def save_weights(lm, weights, tokenizer, path: str, max_shard_bytes: int = 5 << 30) -> None:
+class HashingWriter:
+    """A file opened for writing whose bytes are hashed (sha256) as they pass: a checkpoint's manifest gets
+    every file's digest without reading anything back (at 30B that would be ~120 GB more to read a save)."""
+
+    def __init__(self, path: str):
+        self.file, self.sha, self.size = open(path, "wb"), hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        self.size += view.nbytes
+        try:
+            return self.file.write(view)
+        except OSError as e:  # name the file (a full disk's error names none)
+            raise OSError(e.errno, e.strerror, self.file.name) from None
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+    def digest(self) -> dict:
+        return {"size": self.size, "sha256": self.sha.hexdigest()}
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+                      torch.float8_e5m2: "F8_E5M2"}
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], f, metadata: dict | None = None) -> None:
+    """The safetensors format into the open file `f`, tensor by tensor: an 8-byte little-endian header size,
+    a JSON header (each tensor's dtype, shape and byte range; padded with spaces to 8 bytes), then the raw
+    bytes in that order. Written here rather than by safetensors.save_file so that its bytes can be hashed
+    as they are written (HashingWriter) and a full disk raises an ordinary OSError."""
+    header, offset = {"__metadata__": metadata} if metadata else {}, 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    f.write(len(blob).to_bytes(8, "little"))
+    f.write(blob)
+    for t in tensors.values():
+        if t.numel():
+            f.write(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def save_weights(lm, weights, tokenizer, path: str, max_shard_bytes: int = 5 << 30) -> dict[str, dict]:
     """An HF-format checkpoint written as the (name, tensor) pairs stream in (hf_weights: a decoder layer at
     a time): safetensors shards of at most `max_shard_bytes` with model.safetensors.index.json (a single
     model.safetensors when all fits one), config, tokenizer; loadable by from_pretrained and vLLM. Host
     memory holds one shard and one layer, never the whole model. In a sharded run every rank walks
-    hf_weights() (or gather_only) and only rank 0 calls this with it."""
-    from safetensors.torch import save_file
+    hf_weights() (or gather_only) and only rank 0 calls this with it. Returns the size and sha256 of each
+    weight file written, by its name in `path`, hashed as written."""
     os.makedirs(path, exist_ok=True)
-    shard, size, files, weight_map = {}, 0, [], {}
+    shard, size, files, weight_map, digests = {}, 0, [], {}, {}
 
     def write():
         files.append(f"model-{len(files) + 1:05d}.safetensors")
-        save_file(shard, os.path.join(path, files[-1]), metadata={"format": "pt"})
+        with HashingWriter(os.path.join(path, files[-1])) as f:
+            write_safetensors(shard, f, metadata={"format": "pt"})
+        digests[files[-1]] = f.digest()
         weight_map.update(dict.fromkeys(shard, files[-1]))
 
     total = 0
@@ -507,12 +573,12 @@ def save_weights(lm, weights, tokenizer, path: str, max_shard_bytes: int = 5 << 
         shard[name], size, total = t, size + t.nbytes, total + t.nbytes
     if shard or not files:
         write()
-    if len(files) == 1:
-        os.replace(os.path.join(path, files[0]), os.path.join(path, "model.safetensors"))
-    else:  # the total is known only now: the usual names carry it
-        final = {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
-        for f, g in final.items():
-            os.replace(os.path.join(path, f), os.path.join(path, g))
+    # the total is known only now: the usual names carry it
+    final = {files[0]: "model.safetensors"} if len(files) == 1 else \
+        {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
+    for f, g in final.items():
+        os.replace(os.path.join(path, f), os.path.join(path, g))
+    if len(files) > 1:
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}},
                       f, indent=2)
@@ -520,3 +586,4 @@ def save_weights(lm, weights, tokenizer, path: str, max_shard_bytes: int = 5 << 
     if getattr(lm, "generation_config", None) is not None:
         lm.generation_config.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return {final[f]: d for f, d in digests.items()}

@@ -106,6 +106,7 @@ def _setup() -> tuple[bool, str]:
         try:
             with open(os.path.join(probe, "main.py"), "w") as f:
                 f.write("pass\n")
+            os.chmod(os.path.join(probe, "main.py"), 0o644)
             for isolate in (True, False):
                 for python in dict.fromkeys([sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]):
                     try:
@@ -150,6 +151,7 @@ def run_program(code: str, stdin: str = "", timeout: float = 2.0, memory_mb: int
     try:
         with open(os.path.join(work, "main.py"), "w") as f:
             f.write(code)
+        os.chmod(os.path.join(work, "main.py"), 0o644)  # readable by `nobody` under the trainer's umask 077
         with open(os.path.join(work, "stdin"), "w") as f:
             f.write(stdin)
         if os.geteuid() == 0 and not isolate:  # the fallback: the program works in this directory

@@ -24,6 +24,7 @@ import functools
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -281,6 +282,18 @@ def stop_on_signals(lead: bool, state: RunState) -> list[str]:
     return stop
 
 
+def save_checkpoint(path: str, **kw) -> None:
+    """checkpoint.save, with a refused write (full disk, read-only --out) reported as what it is: the
+    unfinished step_N.tmp is removed, and the message says what is safe."""
+    try:
+        checkpoint.save(path, **kw)
+    except OSError as e:
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+        if (error := checkpoint.write_error(e, f"could not write checkpoint {path}", kw["cfg"].out)) is None:
+            raise
+        raise error from None
+
+
 # -------------------------------------------------------------------------------------------- main
 
 def main(cfg: Config, engine_hook=None) -> None:
@@ -298,11 +311,12 @@ def main(cfg: Config, engine_hook=None) -> None:
     plan = memory_plan(cfg, world)
     if why := plan_lib.problems(plan, cfg, plan_lib.device_bytes(cfg.device), colocated=not cfg.rollout_gpus):
         raise ValueError("the run cannot fit (python train.py ... --plan shows the items):\n  " + "\n  ".join(why))
+    os.umask(0o077)  # what the run writes is its own: checkpoints and samples hold the data's answers
     resume_from = checkpoint.find_resume(cfg.resume, cfg.out, cfg.overwrite)  # --out is checked before loading
+    out_lock = checkpoint.lock_out(cfg.out) if lead else None  # one run per --out, until this process ends
     if lead and cfg.overwrite and (gone := checkpoint.clear_run(cfg.out)):
         print(f"--overwrite: deleted {', '.join(gone)} from {cfg.out}", flush=True)
     model_lib.barrier()
-    os.makedirs(cfg.out, exist_ok=True)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed + rank)
     keys = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, default_verifier=cfg.default_verifier)
@@ -321,7 +335,7 @@ def main(cfg: Config, engine_hook=None) -> None:
                                 cfg.seed) if lead and cfg.verifier_model and cfg.verifier_mode != "off" else None
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
     pools, state = Pools(), RunState(run_id=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    save = functools.partial(checkpoint.save, lm=lm, ref_lm=ref_lm, tokenizer=tokenizer, opt=opt, sched=sched,
+    save = functools.partial(save_checkpoint, lm=lm, ref_lm=ref_lm, tokenizer=tokenizer, opt=opt, sched=sched,
                              engine=engine, pools=pools, state=state, cfg=cfg, git=logs.git_hash())
     if resume_from:
         checkpoint.load(resume_from, opt, sched, engine, pools, state)
@@ -400,6 +414,7 @@ def main(cfg: Config, engine_hook=None) -> None:
             break
     if lead:
         log.close()
+        out_lock.close()
     if world > 1:
         dist.destroy_process_group()
 
@@ -409,3 +424,8 @@ if __name__ == "__main__":
         main(parse_config(description=__doc__))
     except (ValueError, FileNotFoundError) as e:  # a user's mistake (a data row, an --out, a file): the message says it
         sys.exit(f"error: {e}")
+    except OSError as e:  # a full disk or a read-only --out while writing the logs
+        if e.errno not in checkpoint.WRITE_ERRORS:
+            raise
+        sys.exit(f"error: {e.strerror} ({e.filename}); the newest complete checkpoint in --out resumes with "
+                 f"--resume auto once it can be written")

@@ -1,0 +1,123 @@
+"""The run's files under attack: a flipped bit in a large file, two runs on one --out, a kill between deleting
+and renaming a re-saved step, a full disk and a read-only --out. Each would have gone through silently, or
+with a raw traceback, before.
+
+    python -m pytest tests/test_run_files.py -q
+"""
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import kill_group, run, start
+import checkpoint
+import model as model_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = ["--eval-data", "", "--train-groups", "2", "--prompts-per-step", "2", "--max-response-len", "16",
+       "--segments", "2", "--dump-samples", "0"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def fake_checkpoint(path, big_mib: int = 0, extra: str = ""):
+    """A checkpoint as save() writes one: files hashed as written (a `big_mib` MiB stand-in for a weight shard
+    among them), then the manifest."""
+    os.makedirs(path)
+    digests = {}
+    if big_mib:
+        with model_lib.HashingWriter(os.path.join(path, "model-00001-of-00002.safetensors")) as f:
+            model_lib.write_safetensors({"w": torch.arange(big_mib << 18, dtype=torch.float32)}, f)
+        digests["model-00001-of-00002.safetensors"] = f.digest()
+    with open(os.path.join(path, "config.json"), "w") as f:  # a file a library writes: read back for its hash
+        f.write("{" + extra + "}")
+    checkpoint.write_manifest(path, "run-1", 1, digests)
+
+
+def test_a_flipped_bit_in_a_large_file_is_caught(tmp_path):
+    path = str(tmp_path / "step_000001")
+    fake_checkpoint(path, big_mib=65)  # more than the 64 MiB up to which files used to be hashed
+    name = "model-00001-of-00002.safetensors"
+    assert os.path.getsize(os.path.join(path, name)) > 64 << 20 and checkpoint.problem(path) is None
+    assert set(checkpoint.read_manifest(path)["files"]) == {name, "config.json"}
+    with open(os.path.join(path, name), "r+b") as f:
+        f.seek(40 << 20)
+        byte = f.read(1)[0]
+        f.seek(40 << 20)
+        f.write(bytes([byte ^ 0x10]))
+    assert checkpoint.problem(path) == f"{name} does not match its sha256 in the manifest"
+
+
+def test_a_resaved_step_is_complete_at_every_instant(tmp_path, monkeypatch):
+    """publish() of a step that exists (the engine-failure path saves the current step again): before every
+    file system call it makes, a complete checkpoint must be at `path`; deleting first, then renaming, left only
+    the `.tmp` for a kill in between."""
+    path, tmp = str(tmp_path / "step_000001"), str(tmp_path / "step_000001.tmp")
+    fake_checkpoint(path)
+    fake_checkpoint(tmp, extra='"saved": "again"')
+    calls = []
+
+    def checked(name, real):
+        def call(*args, **kw):
+            calls.append(name)
+            assert checkpoint.problem(path) is None, f"no complete checkpoint at {path} before {name}"
+            return real(*args, **kw)
+        return call
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", checked("rmtree", checkpoint.shutil.rmtree))
+    monkeypatch.setattr(checkpoint.os, "replace", checked("replace", os.replace))
+    checkpoint.publish(tmp, path)
+    assert calls == ["rmtree"] and not os.path.exists(tmp)  # the old copy, swapped out under tmp's name
+    assert "again" in open(os.path.join(path, "config.json")).read() and checkpoint.problem(path) is None
+
+
+def test_a_second_run_on_the_same_out_is_refused(tmp_path):
+    out = tmp_path / "out"
+    first = start([sys.executable, "train.py", *RUN, "--steps", "200", "--save-every", "1", "--out", str(out)],
+                  env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not checkpoint.list_checkpoints(str(out)):  # a checkpoint: --resume auto would take it
+            assert first.poll() is None and time.time() < deadline, "the first run did not start"
+            time.sleep(0.1)
+        second = run([sys.executable, "train.py", *RUN, "--steps", "200", "--out", str(out), "--resume", "auto"],
+                     timeout=120, env=ENV)
+        assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr[-2000:]
+        assert f"--out {out} is in use by another run (pid {first.pid} on " in second.stderr
+        steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert steps == sorted(set(steps))  # one run's records, in order
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    finally:
+        kill_group(first)
+    checkpoint.lock_out(str(out)).close()  # the kernel released the dead run's lock
+
+
+def in_a_small_mount(tmp_path, options: str, *args):
+    """train.py with --out on a tmpfs of its own (`options`: its size, or ro), in a private mount namespace."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    mnt = tmp_path / "mnt"
+    os.makedirs(mnt)
+    cmd = f"mount -t tmpfs -o {options} ulorl-test {mnt} && exec " + shlex.join(
+        [sys.executable, "train.py", *RUN, *args, "--out", str(mnt / "run")])
+    return run(["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd], timeout=300, env=ENV)
+
+
+def test_a_full_disk_says_what_failed_and_what_is_safe(tmp_path):
+    # 2 MiB holds the logs but not a checkpoint of the tiny model (3 MB of weights, twice that of AdamW)
+    p = in_a_small_mount(tmp_path, "size=2m", "--steps", "1")
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "error: could not write checkpoint" in p.stderr and "No space left on device" in p.stderr
+    assert "no checkpoint of this run was complete yet" in p.stderr
+
+
+def test_a_read_only_out_says_so(tmp_path):
+    p = in_a_small_mount(tmp_path, "ro", "--steps", "1")
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "cannot write there (Read-only file system)" in p.stderr
