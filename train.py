@@ -39,6 +39,7 @@ import logs
 import model as model_lib
 import plan as plan_lib
 import reward
+import sandbox
 import ulorl
 from config import Config, parse_config, rollout_gpus
 from engine import Sampling, engine_kind, make_engine
@@ -323,6 +324,8 @@ def main(cfg: Config, engine_hook=None) -> None:
     rows = data.load_prompts(cfg.data, cfg.seed, **keys) if lead else []  # data before models: a bad row stops
     evaluating = bool(cfg.eval_data and cfg.eval_every)
     eval_rows = data.load_prompts(cfg.eval_data, cfg.seed, True, cfg.eval_n, **keys) if evaluating and lead else []
+    if any(r["verifier"] == "code" for r in rows + eval_rows) and (why := sandbox.available()):
+        raise ValueError(why)  # model code never runs unisolated
     host_before = plan_lib.reset_host_peak()
     policy, ref, lm, ref_lm, tokenizer = load_models(cfg, resume_from, world)
     load_peak = model_lib.all_max(plan_lib.host_peak() - host_before) / 2**20  # MiB, the largest rank's

