@@ -33,7 +33,6 @@ import os
 import re
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -133,6 +132,7 @@ def _setup() -> tuple[str, str, list[str]]:
         try:
             with open(os.path.join(work, "main.py"), "w") as f:
                 f.write("print('ok')\n")
+            os.chmod(os.path.join(work, "main.py"), 0o644)  # for nobody, under the trainer's umask 077
             for python in dict.fromkeys([sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]):
                 if not os.path.exists(python):
                     continue
@@ -147,8 +147,9 @@ def _setup() -> tuple[str, str, list[str]]:
                 errors.append(f"{python}: {p.stderr.strip()[-300:] or f'exit {p.returncode}'}")
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        raise SandboxUnavailable("sandbox: bwrap cannot isolate a program here (it needs unprivileged user "
-                                 "namespaces), so code rewards are refused: " + "; ".join(errors))
+        raise SandboxUnavailable("sandbox: bwrap cannot run a program isolated here (unprivileged user namespaces "
+                                 "refused? no interpreter `nobody` can reach?), so code rewards are refused: "
+                                 + "; ".join(errors))
     return _SETUP
 
 
@@ -189,7 +190,7 @@ def run_program(code: str, stdin: str = "", timeout: float = 2.0, memory_mb: int
         program = os.path.join(work, "main.py")
         with open(program, "w") as f:
             f.write(code)
-        os.chmod(program, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH)  # for nobody, under umask 077
+        os.chmod(program, 0o644)  # for nobody, under the trainer's umask 077
         with open(os.path.join(work, "stdin"), "w") as f:
             f.write(stdin)
         limits = [math.ceil(timeout) + 1, memory_mb << 20, file_mb << 20, 64, 0, 0]

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 
+from conftest import run
 import reward
 import sandbox
 from sandbox import code_reward, extract_code, run_program
@@ -332,3 +333,23 @@ def test_a_non_root_trainer_gets_the_same_isolation(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     uid, processes, work, etc = p.stdout.split()[1:]
     assert p.stdout.startswith("ok ") and uid == "65534" and int(processes) <= 3 and work == etc == "False", p.stdout
+
+
+def test_the_sandbox_works_under_the_trainers_umask():
+    """train.py runs under umask 077 (its files hold the data's answers): the program's file must still be
+    readable by `nobody`, in the probe as in every run. A fresh process: the probe runs once per process."""
+    code = ("import os\nos.umask(0o077)\nimport sandbox\n"
+            "print(sandbox.available(), sandbox.run_program('print(6 * 7)').stdout.strip())")
+    p = run([sys.executable, "-c", code], timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0 and p.stdout == "None 42\n", p.stdout + p.stderr[-2000:]
+
+
+def test_a_run_with_code_rows_starts(tmp_path):
+    """train.py checks, before training, that code can run isolated (in the trainer, under its umask)."""
+    rows = tmp_path / "code.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": ADD_ONE, "verifier": "code"}) + "\n"
+                            for i in range(4)))
+    p = run([sys.executable, "train.py", "--data", str(rows), "--eval-data", "", "--steps", "1",
+             "--dynamic-sampling", "false", "--train-groups", "2", "--prompts-per-step", "2", "--dump-samples", "0",
+             "--out", str(tmp_path / "out")], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
