@@ -27,6 +27,7 @@ import logging
 import math
 import multiprocessing as mp
 import re
+import resource
 import signal
 import sys
 import time
@@ -88,6 +89,10 @@ def extract_answer(text: str, fallback: str = "last_number") -> str | None:
 # ---------------------------------------------------------------------------- verifiers
 
 _IN_WORKER = False  # set in pool workers, where the parent process enforces the timeout
+# Each worker's address space (RLIMIT_AS): a parse of model output such as \boxed{2^{2^{2^{2^{2^{2}}}}}} grows
+# without bound (~40-90 MB/s) until the timeout; capped, it raises MemoryError (an error, scored 0). A worker
+# needs ~70 MB; a code check's program sets its own limit (1 GB) inside its sandbox.
+WORKER_MEMORY_MB = 1024
 
 
 def _parse(answer: str) -> list:
@@ -380,10 +385,11 @@ def _ref(fn) -> str:
     return ref
 
 
-def _serve(conn) -> None:
+def _serve(conn, memory_mb: int) -> None:
     """Worker loop: receive chunks of (index, ref, response, answer), send one (index, score, error) each."""
     global _IN_WORKER
     _IN_WORKER = True
+    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the trainer; it kills us at exit
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" and parse noise
     conn.send("ready")
@@ -406,7 +412,7 @@ class _Worker:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload([__name__])  # the server imports sympy once; forking from it is cheap
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, WORKER_MEMORY_MB), daemon=True)
         # A forkserver child re-imports the main script unless there is none to import: it needs nothing from
         # it, and a script without a main guard would start workers again from inside the worker (an error).
         main, sys.modules["__main__"] = sys.modules["__main__"], types.ModuleType("__main__")

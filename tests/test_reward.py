@@ -8,6 +8,7 @@ error and timeout accounting. Values are computed by hand. (Code rewards: tests/
 
 import json
 import os
+import sys
 import time
 
 import pytest
@@ -589,3 +590,23 @@ def test_public_functions_work_from_a_script_without_a_main_guard(tmp_path):
     proc = run([sys.executable, str(script)], timeout=120, env=dict(os.environ, PYTHONPATH=root), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["math_equal True", "math_reward 1.0", "score_batch [1.0, 1.0]"]
+
+
+def test_a_math_bomb_hits_the_workers_memory_cap_not_the_machine():
+    """A tower of powers in a boxed answer makes the parser grow without bound until the check's timeout;
+    under the workers' RLIMIT_AS it fails fast with a MemoryError instead, scored 0. A fresh process,
+    so that its pool starts with a cap of 256 MB (the default is reward.WORKER_MEMORY_MB)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = ("import time, reward\n"
+              "reward.WORKER_MEMORY_MB = 256\n"
+              "t = time.time()\n"
+              "scores, metrics = reward.score_batch([('math', r'\\boxed{2^{2^{2^{2^{2^{2}}}}}}', '1')], timeout=60)\n"
+              "print(scores, metrics['reward/errors'], metrics['reward/timeouts'], round(time.time() - t))\n"
+              "print(reward.score_batch([('math', r'\\boxed{2}', '2')], timeout=60)[0])  # the pool still works\n")
+    proc = run([sys.executable, "-W", "ignore", "-c", script], timeout=120, env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = proc.stdout.splitlines()
+    scores, errors, timeouts, seconds = first.rsplit(" ", 3)
+    # math-verify catches the MemoryError itself (a failed parse): 0, within seconds, not at the timeout
+    assert (scores, timeouts) == ("[0.0]", "0") and int(errors) <= 1 and int(seconds) < 30, proc.stdout
+    assert second == "[1.0]"
