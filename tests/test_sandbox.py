@@ -222,10 +222,14 @@ def run_at_once(programs: list[str], timeout: float = 10.0) -> list:
 
 
 def test_concurrent_programs_can_neither_see_nor_kill_each_other():
+    """The victim sleeps while the attacker reads every /proc entry it can find and then kills every process
+    it may signal. Both print the wall clock (shared by all namespaces) at start and end: the test checks that
+    they really overlapped, since isolated programs can share no barrier."""
     marker = f"victim-{uuid.uuid4().hex}"
-    victim = f"# {marker}\nimport time\ntime.sleep(2.5)\nprint('alive')"
+    victim = f"# {marker}\nimport time\nstart = time.time()\ntime.sleep(2.5)\nprint(start, time.time())\nprint('alive')"
     attacker = ("import os, signal, time\n"
-                "end, stolen = time.time() + 1.5, set()\n"
+                "start = time.time()\n"
+                "end, stolen = start + 1.5, set()\n"
                 "while time.time() < end:\n"
                 "    for pid in filter(str.isdigit, os.listdir('/proc')):\n"
                 "        for path in (f'/proc/{pid}/cwd/main.py', f'/proc/{pid}/cmdline'):\n"
@@ -237,10 +241,13 @@ def test_concurrent_programs_can_neither_see_nor_kill_each_other():
                 "    os.kill(-1, signal.SIGKILL)  # every process this user may signal\n"
                 "except OSError:\n"
                 "    pass\n"
+                "print(start, time.time())\n"
                 "print('\\n'.join(stolen))")
     kept, attacked = run_at_once([victim, attacker])
-    assert (kept.status, kept.stdout) == ("ok", "alive\n"), kept
+    assert kept.status == "ok" and kept.stdout.splitlines()[1] == "alive", kept
     assert attacked.status == "ok" and marker not in attacked.stdout
+    (v_start, v_end), (a_start, a_end) = (map(float, r.stdout.splitlines()[0].split()) for r in (kept, attacked))
+    assert v_start < a_start and a_end < v_end, "the attack did not run while the victim was alive"
 
 
 def test_the_data_and_the_trainers_command_line_are_out_of_reach():
