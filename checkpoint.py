@@ -102,16 +102,21 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
         os.makedirs(tmp)
     model_lib.barrier()
     digests = {}  # relative path -> {size, sha256}, hashed as written
+    dtype = model_lib.DTYPES[cfg.dtype]  # what a user serves: the run's dtype, whatever the masters' (fp32)
     for model, sub in ((lm, ""), (ref_lm, "reference")):
         if model is not None:
             if lead:
-                written = model_lib.save_weights(model, model_lib.hf_weights(model), tokenizer, os.path.join(tmp, sub))
+                written = model_lib.save_weights(model, model_lib.hf_weights(model, dtype=dtype), tokenizer,
+                                                 os.path.join(tmp, sub), dtype=dtype)
                 digests.update({os.path.join(sub, name): d for name, d in written.items()})
             else:
-                model_lib.gather_only(model)
+                model_lib.gather_only(model, dtype)
+    # a bf16 run's fp32 master weights (what AdamW steps; the export above is rounded), this rank's shards
+    masters = [local_shards(p.detach()) for g in opt.param_groups for p in g["params"]] \
+        if cfg.dtype != "float32" else None
     name = f"trainer_state_rank{model_lib.rank()}.pt"
     with model_lib.HashingWriter(os.path.join(tmp, name)) as f:
-        torch.save({"optimizer": local_shards(opt.state_dict()), "scheduler": sched.state_dict(),
+        torch.save({"optimizer": local_shards(opt.state_dict()), "masters": masters, "scheduler": sched.state_dict(),
                     "engine_rng": engine.rng_state() if engine is not None else None,
                     "torch_rng": torch.get_rng_state()}, f)
     for ranks_digest in model_lib.gather_objects({name: f.digest()}):  # every rank's, to rank 0's manifest
@@ -290,9 +295,11 @@ def clear_run(out: str) -> list[str]:
     return held
 
 
-def load(path: str, opt, sched, engine, pools: Pools, state: RunState) -> None:
+def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=None) -> None:
     """The state save() wrote (the weights were loaded with the model); every rank reads its own optimizer
-    state, so a sharded run resumes on the same number of ranks."""
+    state, so a sharded run resumes on the same number of ranks. A bf16 run's fp32 master weights replace
+    the rounded ones the model loaded with: the optimizer's parameters, and `masters` (model.MasterWeights)
+    copies them into the module."""
     with open(os.path.join(path, "ulorl_state.json")) as f:
         saved = json.load(f)
     if saved.get("world_size", 1) != model_lib.world():
@@ -300,6 +307,12 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState) -> None:
                          f"with {model_lib.world()}; run with --nproc-per-node {saved.get('world_size', 1)}")
     trainer = torch.load(os.path.join(path, f"trainer_state_rank{model_lib.rank()}.pt"), weights_only=True)
     load_optimizer(opt, trainer["optimizer"])
+    if trainer.get("masters") is not None:
+        with torch.no_grad():
+            for p, master in zip([p for g in opt.param_groups for p in g["params"]], trainer["masters"]):
+                (p.to_local() if isinstance(p, DTensor) else p).copy_(master)
+        if masters is not None:
+            masters.copy_to_model()
     sched.load_state_dict(trainer["scheduler"])
     if engine is not None:
         engine.set_rng_state(trainer["engine_rng"])

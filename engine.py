@@ -129,8 +129,8 @@ class HFEngine:
         (torchrun, where the trainer's module is sharded) takes the new values, gathered a parameter at a time
         (every trainer rank takes part: model.gather_only)."""
         params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, t in model_lib.full_weights(lm):
+        with torch.no_grad():  # gathered in the copy's dtype, as the other ranks' model.gather_only(lm, dtype)
+            for name, t in model_lib.full_weights(lm, next(iter(params.values())).dtype):
                 if params[name].data_ptr() != t.data_ptr():
                     params[name].copy_(t)
 

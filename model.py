@@ -113,17 +113,18 @@ def params_on_meta():
 
 def load_sharded(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradient_checkpointing: bool = False,
                  rope_scaling_factor: float = 0.0, rope_original_max_positions: int = 0,
-                 attn_implementation: str = "sdpa", trainable: bool = True, mixed_bf16: bool = False):
+                 attn_implementation: str = "sdpa", trainable: bool = True, compute_dtype: torch.dtype | None = None):
     """(wrapped module, model, tokenizer) under FSDP2 without any rank holding the whole model: built on the
     meta device, sharded (wrap), then each rank allocates its shards and fills them from the checkpoint's
-    safetensors, read a decoder layer at a time (fill_shards). Peak memory per rank: its shards + one layer."""
+    safetensors, read a decoder layer at a time (fill_shards). Peak memory per rank: its shards + one layer.
+    compute_dtype: the shards (`dtype`) are master weights, and every forward computes in this dtype (wrap)."""
     tokenizer, config = load_config(name_or_path, rope_scaling_factor, rope_original_max_positions)
     with params_on_meta():
         lm = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
     lm.eval().requires_grad_(trainable)  # as from_pretrained leaves it (a frozen reference: no gradients)
     if gradient_checkpointing:
         lm.gradient_checkpointing_enable()
-    policy = wrap(lm, "fsdp", trainable=trainable, mixed_bf16=mixed_bf16)
+    policy = wrap(lm, "fsdp", trainable=trainable, compute_dtype=compute_dtype)
     buffers = {name: b.clone() for name, b in lm.named_buffers()}
     policy.to_empty(device=device)  # to_empty also empties the buffers: put them back
     with torch.no_grad():
@@ -347,25 +348,66 @@ class Policy(torch.nn.Module):
 
 # ------------------------------------------------------------------------------ distributed training
 
-def wrap(lm, parallel: str, trainable: bool = True, mixed_bf16: bool = False):
+def wrap(lm, parallel: str, trainable: bool = True, compute_dtype: torch.dtype | None = None):
     """The module the trainer calls. parallel "none": one process. "ddp": a full copy per rank, gradients
     all-reduced (averaged) in the backward. "fsdp": FSDP2, each decoder layer sharded on its own and then
     the root (embeddings, final norm, lm_head), so a forward holds one layer's full weights at a time;
-    gradients are reduce-scattered (averaged). mixed_bf16 (GPU): bf16 compute over fp32 master weights,
-    gradients reduced in fp32. A frozen model (the reference) is sharded the same way under fsdp."""
+    gradients are reduce-scattered (averaged). A frozen model (the reference) is sharded the same way under
+    fsdp. compute_dtype (bf16 runs): under fsdp the fp32 shards are the master weights and each forward
+    computes in this dtype (FSDP2's MixedPrecisionPolicy); under ddp the module already computes in it
+    (MasterWeights keeps the fp32 copy) and its gradients are all-reduced in fp32, as FSDP2 reduces them."""
     policy = Policy(lm)
     if parallel == "none" or (parallel == "ddp" and not trainable):
         return policy
     if parallel == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(policy)
+        ddp = torch.nn.parallel.DistributedDataParallel(policy)
+        if compute_dtype is not None:
+            ddp.register_comm_hook(None, _fp32_all_reduce)
+        return ddp
     if parallel == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_bf16 \
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype \
             else MixedPrecisionPolicy()
         for layer in lm.get_decoder().layers:
             fully_shard(layer, mp_policy=mp)
         return fully_shard(policy, mp_policy=mp)
     raise ValueError(f"--parallel must be fsdp or ddp, got {parallel!r}")
+
+
+def _fp32_all_reduce(state, bucket):
+    """A DDP communication hook: a bucket of bf16 gradients averaged over the ranks in fp32, then rounded once."""
+    grads = bucket.buffer()
+    total = grads.float().div_(dist.get_world_size())
+    return dist.all_reduce(total, async_op=True).get_future().then(lambda fut: grads.copy_(fut.value()[0]))
+
+
+class MasterWeights:
+    """fp32 master weights of a module that computes in bf16, where FSDP2 does not keep them (one process,
+    DDP): AdamW steps the masters and the module gets them rounded after every step. Applied to bf16 weights
+    directly, an update at lr 1e-6 (~1e-6) is far below bf16's spacing near a weight of 0.05 (2.4e-4), and
+    almost every update rounds away. `lm` is in fp32 when this is made: its storage becomes the masters (no
+    copy) and the module gets a new one in `dtype`."""
+
+    def __init__(self, lm, dtype: torch.dtype):
+        self.pairs = []
+        for p in lm.parameters():
+            if p.requires_grad:
+                self.pairs.append((p, torch.nn.Parameter(p.detach())))
+                p.data = p.data.to(dtype)  # buffers (rotary frequencies) stay fp32, as from_pretrained keeps them
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [m for _, m in self.pairs]
+
+    def take_grads(self) -> None:
+        """The module's gradients onto the masters, in fp32 (the module's are freed)."""
+        for p, m in self.pairs:
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        for p, m in self.pairs:
+            p.copy_(m)
 
 
 def grad_sync(policy, last: bool):
@@ -442,18 +484,19 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------- weights in and out
 
-def full_weights(lm):
+def full_weights(lm, dtype: torch.dtype | None = None):
     """(HF name, full tensor) for every parameter, one at a time: an FSDP2 shard is all-gathered (a
     collective: every rank must walk this generator in step), a plain or DDP parameter is itself. A tied
-    lm_head is listed once, as the embedding. Never more than one gathered parameter exists at a time."""
+    lm_head is listed once, as the embedding. Never more than one gathered parameter exists at a time.
+    dtype: each shard cast before it is gathered."""
     for name, p in lm.named_parameters():
-        yield name, full_tensor(p).detach()
+        yield name, full_tensor(p.detach().to(dtype or p.dtype))
 
 
-def gather_only(lm) -> None:
-    """What a rank that receives nothing does while rank 0 takes full_weights(lm) or hf_weights(lm) (the same
-    gathers, in the same order): its part of each gather."""
-    for _ in full_weights(lm):
+def gather_only(lm, dtype: torch.dtype | None = None) -> None:
+    """What a rank that receives nothing does while rank 0 takes full_weights(lm, dtype) or hf_weights(lm,
+    dtype=dtype) (the same gathers, in the same order and dtype): its part of each gather."""
+    for _ in full_weights(lm, dtype):
         pass
 
 
@@ -477,19 +520,20 @@ def layer_groups(names: list[str]) -> list[list[str]]:
     return groups
 
 
-def hf_weights(lm, on_meta: bool = False):
+def hf_weights(lm, on_meta: bool = False, dtype: torch.dtype | None = None):
     """(name, tensor) in the checkpoint's layout, what from_pretrained reads and vLLM loads: transformers keeps
     a Mixture-of-Experts layer's experts fused in one tensor, a checkpoint (and vLLM's loader) one per expert
     (transformers' revert_weight_conversion, as save_pretrained uses it; the identity for dense models).
     Gathered from the FSDP shards a decoder layer at a time: the same collectives, in the same order, as
-    full_weights. on_meta: shapes and names only, nothing gathered (on the meta device)."""
+    full_weights. on_meta: shapes and names only, nothing gathered (on the meta device). dtype: each shard cast
+    before it is gathered (fp32 masters leave in bf16: half the traffic and the memory)."""
     from transformers.core_model_loading import revert_weight_conversion
     params = dict(lm.named_parameters())
     for group in layer_groups(list(params)):
         if on_meta:
-            full = {n: torch.empty(params[n].shape, dtype=params[n].dtype, device="meta") for n in group}
+            full = {n: torch.empty(params[n].shape, dtype=dtype or params[n].dtype, device="meta") for n in group}
         else:
-            full = {n: full_tensor(params[n]).detach() for n in group}
+            full = {n: full_tensor(params[n].detach().to(dtype or params[n].dtype)) for n in group}
         yield from revert_weight_conversion(lm, full).items()
 
 
@@ -547,13 +591,15 @@ def write_safetensors(tensors: dict[str, torch.Tensor], f, metadata: dict | None
             f.write(t.contiguous().view(-1).view(torch.uint8).numpy())
 
 
-def save_weights(lm, weights, tokenizer, path: str, max_shard_bytes: int = 5 << 30) -> dict[str, dict]:
+def save_weights(lm, weights, tokenizer, path: str, max_shard_bytes: int = 5 << 30,
+                 dtype: torch.dtype | None = None) -> dict[str, dict]:
     """An HF-format checkpoint written as the (name, tensor) pairs stream in (hf_weights: a decoder layer at
     a time): safetensors shards of at most `max_shard_bytes` with model.safetensors.index.json (a single
     model.safetensors when all fits one), config, tokenizer; loadable by from_pretrained and vLLM. Host
     memory holds one shard and one layer, never the whole model. In a sharded run every rank walks
     hf_weights() (or gather_only) and only rank 0 calls this with it. Returns the size and sha256 of each
-    weight file written, by its name in `path`, hashed as written."""
+    weight file written, by its name in `path`, hashed as written. dtype: the weights' dtype as config.json
+    states it (hf_weights(dtype=...) casts them; fp32 master weights are exported in the run's dtype)."""
     os.makedirs(path, exist_ok=True)
     shard, size, files, weight_map, digests = {}, 0, [], {}, {}
 
@@ -582,7 +628,10 @@ def save_weights(lm, weights, tokenizer, path: str, max_shard_bytes: int = 5 << 
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}},
                       f, indent=2)
-    lm.config.save_pretrained(path)
+    config = copy.deepcopy(lm.config)
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(path)
     if getattr(lm, "generation_config", None) is not None:
         lm.generation_config.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -7,10 +7,11 @@ fit), and the measured peaks it is checked against (on CPU, host memory stands i
 (--plan needs no GPU and no data: WORLD_SIZE is the number of trainer ranks torchrun would start.)
 
 Per trainer rank (P parameters, sharded over the trainer ranks under FSDP, whole under DDP or one process;
-b = bytes of the trainer's dtype, fp32 master weights under FSDP's bf16 mixed precision):
+b = 4: a bf16 run keeps fp32 master weights in every mode, and c = bytes of the run's dtype, the compute's):
   weights, gradients      P x b each
-  AdamW                   2 x P x b (its two moments, in the parameters' dtype)
-  reference (KL only)     P x b
+  AdamW                   2 x P x b (its two moments, in the masters' dtype)
+  compute copy            bf16 outside FSDP: the module the forward runs, P x c (FSDP casts a layer at a time)
+  reference (KL only)     P x b under FSDP (sharded like the masters), else P x c
   gathered                FSDP: the root's parameters (embeddings, lm_head) and two decoder layers (the one
                           computing and the next, prefetched) in the compute dtype
   activations             per decoder layer for T = --max-tokens-per-micro-batch tokens: kept for every layer
@@ -121,8 +122,7 @@ class Plan:
 def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> Plan:
     """The plan of a run: `cfg` is config.py's Config, `world` the trainer ranks, `engine_ranks` the GPUs the
     vLLM engine spans (`vllm`: whether it runs at all; the transformers engine shares the trainer's module)."""
-    mixed = world > 1 and cfg.parallel == "fsdp" and cfg.dtype == "bfloat16" and cfg.device.startswith("cuda")
-    b = BYTES["float32" if mixed else cfg.dtype]  # master weights, gradients, AdamW moments
+    b = 4  # master weights, gradients, AdamW moments: fp32 in every run
     c = BYTES[cfg.dtype]  # compute
     shards = world if cfg.parallel == "fsdp" and world > 1 else 1
     P = shape.params()
@@ -136,8 +136,10 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
     attention = 0 if cfg.attn_implementation.startswith("flash") else \
         shape.heads * rows_len * rows_len * c * (T // rows_len)
     trainer = {"weights": P * b // shards, "gradients": P * b // shards, "AdamW moments": 2 * P * b // shards}
+    if c != b and shards == 1:
+        trainer["compute copy (bf16)"] = P * c
     if cfg.kl_coef > 0:
-        trainer["reference"] = P * b // shards
+        trainer["reference"] = P * b // shards if shards > 1 else P * c
     if shards > 1:
         trainer["gathered (FSDP)"] = (shape.root_params() + 2 * shape.layer_params()) * c
     trainer.update({"activations": activations, "attention scores": attention,
@@ -174,7 +176,8 @@ def problems(plan: Plan, cfg, capacity: int | None, colocated: bool) -> list[str
     out = []
     need = plan.trainer_total
     if colocated and plan.engine:  # vLLM sleeps while the trainer works; while it samples, the trainer's state stays
-        state = sum(v for k, v in plan.trainer.items() if k in ("weights", "gradients", "AdamW moments", "reference"))
+        state = sum(v for k, v in plan.trainer.items()
+                    if k in ("weights", "gradients", "AdamW moments", "compute copy (bf16)", "reference"))
         need = max(need, state + plan.engine_minimum)
     if need > capacity:
         help_ = ["more trainer GPUs (FSDP shards weights, gradients and AdamW)"]

@@ -160,29 +160,32 @@ def rollout_until_ready(engine, pools: Pools, rows, state: RunState, tokenizer, 
 # ------------------------------------------------------------------------- models, engine, evaluation
 
 def load_models(cfg: Config, resume_from: str | None, world: int):
-    """(policy, reference, lm, ref_lm, tokenizer): the modules the trainer calls (model.wrap; reference None
-    without a KL) and the Hugging Face models inside them, from the checkpoint when resuming. Under FSDP no rank
-    ever holds the whole model: each builds it on the meta device, shards it and reads only its own shards from
-    the checkpoint, a layer at a time (model.load_sharded). FSDP on GPU with --dtype bfloat16 keeps fp32 master
-    weights and computes in bf16; elsewhere --dtype is the weights' dtype."""
-    mixed = world > 1 and cfg.parallel == "fsdp" and cfg.dtype == "bfloat16" and cfg.device.startswith("cuda")
-    dtype, path = "float32" if mixed else cfg.dtype, resume_from or cfg.model
+    """(policy, reference, lm, ref_lm, tokenizer, masters): the modules the trainer calls (model.wrap; reference
+    None without a KL), the Hugging Face models inside them, and the fp32 master weights AdamW steps when the
+    run computes in bf16 outside FSDP (model.MasterWeights; else None), from the checkpoint when resuming.
+    Under FSDP no rank ever holds the whole model: each builds it on the meta device, shards it and reads only
+    its own shards from the checkpoint, a layer at a time (model.load_sharded). A bf16 run computes in bf16 over
+    fp32 master weights in every mode (FSDP2's own mixed precision under fsdp); they load in fp32 here, and a
+    resume then restores the masters themselves from the trainer state (checkpoint.load)."""
+    compute = None if cfg.dtype == "float32" else model_lib.DTYPES[cfg.dtype]
+    path = resume_from or cfg.model
     ref_path = os.path.join(resume_from, "reference") if resume_from else cfg.model
     yarn = (cfg.rope_scaling_factor, cfg.rope_original_max_positions, cfg.attn_implementation)
     ref = ref_lm = None
     if world > 1 and cfg.parallel == "fsdp":
-        policy, lm, tokenizer = model_lib.load_sharded(path, dtype, cfg.device, cfg.gradient_checkpointing, *yarn,
-                                                       mixed_bf16=mixed)
+        policy, lm, tokenizer = model_lib.load_sharded(path, "float32", cfg.device, cfg.gradient_checkpointing, *yarn,
+                                                       compute_dtype=compute)
         if cfg.kl_coef > 0:
-            ref, ref_lm, _ = model_lib.load_sharded(ref_path, dtype, cfg.device, False, *yarn, trainable=False,
-                                                    mixed_bf16=mixed)
-        return policy, ref, lm, ref_lm, tokenizer
+            ref, ref_lm, _ = model_lib.load_sharded(ref_path, "float32", cfg.device, False, *yarn, trainable=False,
+                                                    compute_dtype=compute)
+        return policy, ref, lm, ref_lm, tokenizer, None
     mode = cfg.parallel if world > 1 else "none"
-    lm, tokenizer = model_lib.load(path, dtype, cfg.device, cfg.gradient_checkpointing, *yarn)
-    if cfg.kl_coef > 0:
-        ref_lm = model_lib.load(ref_path, dtype, cfg.device, False, *yarn)[0].eval().requires_grad_(False)
+    lm, tokenizer = model_lib.load(path, "float32", cfg.device, cfg.gradient_checkpointing, *yarn)
+    masters = model_lib.MasterWeights(lm, compute) if compute else None
+    if cfg.kl_coef > 0:  # frozen: no masters, it computes in the run's dtype
+        ref_lm = model_lib.load(ref_path, cfg.dtype, cfg.device, False, *yarn)[0].eval().requires_grad_(False)
         ref = model_lib.wrap(ref_lm, mode, trainable=False)
-    return model_lib.wrap(lm, mode), ref, lm, ref_lm, tokenizer
+    return model_lib.wrap(lm, mode, compute_dtype=compute), ref, lm, ref_lm, tokenizer, masters
 
 
 def rollout_engine(cfg: Config, lm, tokenizer, path: str, world: int):
@@ -225,14 +228,15 @@ def evaluate_before_training(engine, tokenizer, eval_rows, cfg: Config, judge, s
             "mpt/masked_frac": None, "rollout/unfinished": 0, "tokens/generated": 0, **ev}
 
 
-def sync_weights(engine, lm) -> None:
+def sync_weights(engine, lm, dtype: str) -> None:
     """Step 7, the one place new weights reach the engine: rank 0's engine takes the trainer's module (vLLM
     through its weight-transfer API, weight_sync.py); the weights are gathered from the FSDP shards a layer
-    at a time, and every other rank takes its part in those gathers."""
+    at a time, cast to the run's `dtype` first (fp32 masters travel as bf16), and every other rank takes its
+    part in those gathers."""
     if engine is not None:
         engine.update_weights(lm)
     else:
-        model_lib.gather_only(lm)
+        model_lib.gather_only(lm, model_lib.DTYPES[dtype])
 
 
 # ----------------------------------------------------------------------------------------- logging
@@ -327,12 +331,13 @@ def main(cfg: Config, engine_hook=None) -> None:
     if any(r["verifier"] == "code" for r in rows + eval_rows) and (why := sandbox.available()):
         raise ValueError(why)  # model code never runs unisolated
     host_before = plan_lib.reset_host_peak()
-    policy, ref, lm, ref_lm, tokenizer = load_models(cfg, resume_from, world)
+    policy, ref, lm, ref_lm, tokenizer, masters = load_models(cfg, resume_from, world)
     load_peak = model_lib.all_max(plan_lib.host_peak() - host_before) / 2**20  # MiB, the largest rank's
     engine = rollout_engine(cfg, lm, tokenizer, resume_from or cfg.model, world) if lead else None
     if engine_hook is not None and engine is not None:
         engine = engine_hook(engine)
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(masters.parameters() if masters else policy.parameters(), lr=cfg.lr,
+                            weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(ulorl.lr_factor, cfg=cfg))
     judge = eval_lib.load_judge(cfg.verifier_model, cfg.verifier_mode, cfg.verifier_max_tokens, cfg.dtype, cfg.device,
                                 cfg.seed) if lead and cfg.verifier_model and cfg.verifier_mode != "off" else None
@@ -341,7 +346,7 @@ def main(cfg: Config, engine_hook=None) -> None:
     save = functools.partial(save_checkpoint, lm=lm, ref_lm=ref_lm, tokenizer=tokenizer, opt=opt, sched=sched,
                              engine=engine, pools=pools, state=state, cfg=cfg, git=logs.git_hash())
     if resume_from:
-        checkpoint.load(resume_from, opt, sched, engine, pools, state)
+        checkpoint.load(resume_from, opt, sched, engine, pools, state, masters)
     startup = {"memory/load_host_mib": load_peak, "memory/plan_trainer_mib": plan.trainer_total / 2**20}  # logged once
     if lead:
         if resume_from:
@@ -373,7 +378,8 @@ def main(cfg: Config, engine_hook=None) -> None:
         # 5-6. old/reference log-probs, DMMPT mask, the update (each rank its share)
         if lead:
             engine.pause()  # vLLM sharing the trainer's GPU sleeps meanwhile
-        record.update(ulorl.update(policy, ref, opt, sched, groups, state.version, tokenizer.pad_token_id, cfg))
+        record.update(ulorl.update(policy, ref, opt, sched, groups, state.version, tokenizer.pad_token_id, cfg,
+                                   masters))
         record.update(memory_peaks(cfg, host_before))
         ulorl.count_bad_steps(record, state, cfg, warn=lead)
         if record["train/optimizer_steps"]:
@@ -387,7 +393,7 @@ def main(cfg: Config, engine_hook=None) -> None:
             engine.resume()
         if record["train/optimizer_steps"]:
             t_sync = time.time()
-            sync_weights(engine, lm)
+            sync_weights(engine, lm, cfg.dtype)
             record["time/sync_s"] = time.time() - t_sync
         state.step = step
 

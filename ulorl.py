@@ -173,11 +173,14 @@ def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg) -> tu
     return stats, diff_max
 
 
-def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg) -> tuple[dict, float, int, torch.Tensor]:
+def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg,
+             masters=None) -> tuple[dict, float, int, torch.Tensor]:
     """Step 6: one optimizer step per mini-batch, gradients accumulated over its micro-batches. An update
-    whose loss or gradient is NaN/inf on any rank is skipped: the optimizer never sees it.
+    whose loss or gradient is NaN/inf on any rank is skipped: the optimizer never sees it. `masters`
+    (model.MasterWeights, bf16 outside FSDP): the fp32 weights the optimizer steps, copied to the module after.
     Returns (token-weighted metric sums, the largest ratio, updates skipped, the last gradient norm)."""
     policy.train()
+    params = [p for g in opt.param_groups for p in g["params"]]  # what AdamW steps: fp32 in a bf16 run
     totals: dict = {}
     skipped, grad_norm, ratio_max = 0, torch.tensor(float("nan")), 0.0
     for mbs in minis:
@@ -207,13 +210,18 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg) -> tuple[di
             for k, v in loss_metrics.items():  # the loss already carries the global denominator: it adds up
                 weight = 1 if k == "loss/policy" else (mb.loss_mask if k == "loss/kl" else mb.pg_mask).sum().item()
                 totals[k] = totals.get(k, 0.0) + v * weight
-        grad_norm = model_lib.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip))
+        if masters is not None:
+            masters.take_grads()
+        grad_norm = model_lib.full_tensor(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         if not (model_lib.all_true(finite) and torch.isfinite(grad_norm)):
             opt.zero_grad(set_to_none=True)
             skipped += 1
             continue
         opt.step()
         sched.step()
+        if masters is not None:
+            masters.copy_to_model()
+    opt.zero_grad(set_to_none=True)  # no gradient outlives the update (a colocated engine wakes into that memory)
     return totals, ratio_max, skipped, grad_norm
 
 
@@ -231,16 +239,17 @@ def engine_gap_check(gap: float, cfg) -> None:
             print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
 
-def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg) -> dict:
+def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg, masters=None) -> dict:
     """Steps 5-6 on a batch of complete, informative groups (the same batch on every rank); `version` is the
     policy version of the current weights. `policy` and `ref` are model.wrap()ped: they map a micro-batch to
-    response log-probs and entropy. `cfg` is config.py's Config. Returns the step's training metrics."""
+    response log-probs and entropy. `cfg` is config.py's Config; `masters`: optimize's. Returns the step's
+    training metrics."""
     samples = [s for g in groups for s in g]
     minis = plan_micro_batches(samples, sample_advantages(groups), pad_id, cfg)
     stats, diff_max = prepare(policy, ref, minis, version, cfg)
     diff_max = model_lib.all_max(diff_max)
     engine_gap_check(diff_max, cfg)
-    totals, ratio_max, skipped, grad_norm = optimize(policy, opt, sched, minis, cfg)
+    totals, ratio_max, skipped, grad_norm = optimize(policy, opt, sched, minis, cfg, masters)
     totals = model_lib.all_sum({**totals, **stats})
     stats = {k: totals.pop(k) for k in list(stats)}
     pg_tokens, loss_tokens = max(stats["pg_tokens"], 1), max(stats["loss_tokens"], 1)
