@@ -234,7 +234,8 @@ class VLLMEngine:
     - GPUs of its own (`gpus`, --rollout-gpus): a process of its own, tensor-parallel over them (`tp`);
       weights by NCCL broadcast from trainer rank 0.
     - the trainer's GPU (one trainer process): a process of its own that sleeps during the update (weights
-      offloaded to CPU memory, KV cache freed) and wakes for the sync; weights through CUDA IPC.
+      offloaded to CPU memory, KV cache freed); its weights wake for the sync, its KV cache after it, once the
+      trainer's freed memory is handed back (pause / resume / update_weights); weights through CUDA IPC.
     Processed log-probs (after temperature / top-k / top-p, as the trainer computes them); the prefix cache
     is reset after every weight update: a continued sample would otherwise reuse KV of the old weights."""
 
@@ -249,6 +250,8 @@ class VLLMEngine:
         import weight_sync  # registers the gloo backend in vLLM's factories, here
         self.backend = "gloo" if on_cpu else "nccl" if self.gpus else "ipc"
         self.colocated = self.backend == "ipc"
+        if self.colocated:  # vLLM's msgpack refuses CUDA IPC handles (type objects, dtypes) unless it may pickle
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if on_cpu:
             # On CPU, never split a prompt across engine steps: vLLM discards a partial prefill's sampled token by
             # rewinding the request's seeded generator, which fails on CPU ("CPU Generator does not use offset")
@@ -264,7 +267,8 @@ class VLLMEngine:
                        hf_overrides=hf_overrides or {},  # config fields over config.json: YaRN (model.yarn_overrides)
                        tensor_parallel_size=tp, worker_extension_cls="weight_sync.WorkerExtension",
                        weight_transfer_config=WeightTransferConfig(backend=self.backend), **placement)
-        self.tp, self.dtype, self.transfer, self.sleeping = tp, getattr(torch, dtype), None, False
+        self.tp, self.dtype, self.transfer = tp, getattr(torch, dtype), None
+        self.asleep: set[str] = set()  # what of a sleeping engine's memory is not back yet: "weights", "kv_cache"
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)  # only for requests sent without keys
 
@@ -280,6 +284,7 @@ class VLLMEngine:
         batch, but a sample continued over segments draws other numbers than one decoded in one go."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        self.wake(["weights", "kv_cache"])  # no update after the last pause: nothing woke the KV cache
         keys = request_keys(self.generator, len(prompts)) if keys is None else keys
         seeds = [mix64(self.seed, k, len(p)) >> 33 for k, p in zip(keys, prompts)]  # 31 bits
         todo = [i for i, m in enumerate(max_tokens) if m > 0]
@@ -297,27 +302,41 @@ class VLLMEngine:
     def update_weights(self, lm) -> None:
         """The trainer's module `lm` into the engine, through vLLM's weight transfer (weight_sync.connect on
         first use; every trainer rank takes part in the gathers: model.gather_only), then a prefix-cache
-        reset: cached KV blocks were computed by the old weights."""
+        reset: cached KV blocks were computed by the old weights. A sleeping engine's KV cache wakes after the
+        sync, when the transfer's buffer is free."""
         import weight_sync
+        self.wake(["weights"])
         if self.transfer is None:
             self.transfer = weight_sync.connect(self.llm, lm, self.backend, rank=0, engine_ranks=self.tp,
                                                 dtype=self.dtype)
         elif self.transfer.source.lm is not lm:  # another module than last time (tests; a reloaded trainer)
             self.transfer.source = weight_sync.HFSource(lm, self.dtype)
-        self.transfer.send_weights()
+        weight_sync.send(self.transfer)
+        self.wake(["kv_cache"])
         self.llm.reset_prefix_cache()
 
     def pause(self) -> None:
         """Sharing the trainer's GPU: sleep through the update (level 1: weights to CPU memory, KV cache freed)."""
         if self.colocated:
             self.llm.sleep(level=1)
-            self.sleeping = True
+            self.asleep = {"weights", "kv_cache"}
 
     def resume(self) -> None:
-        """Wake before the sync (the weights it restores are then overwritten by the new ones)."""
-        if self.sleeping:
-            self.llm.wake_up()
-            self.sleeping = False
+        """Wake the weights only: the sync writes into them, and the KV cache (most of the engine's memory) waits
+        for the end of the sync (update_weights), or for the next generate when the step updated nothing."""
+        self.wake(["weights"])
+
+    def wake(self, tags: list[str]) -> None:
+        """Bring back what of `tags` still sleeps. Before the KV cache, the trainer's cached free blocks go back
+        to the driver: vLLM maps the KV cache at its full size again, and PyTorch's allocator keeps what the
+        update and the sync freed (gradients, the transfer's buffer) until asked."""
+        todo = [t for t in tags if t in self.asleep]
+        if not todo:
+            return
+        if "kv_cache" in todo:
+            torch.cuda.empty_cache()  # a no-op where CUDA was never initialised
+        self.llm.wake_up(tags=todo)
+        self.asleep -= set(todo)
 
 
 def vllm_available() -> bool:

@@ -10,7 +10,7 @@ skips. This file supplies the three pieces the trainer needs:
   keeps a Mixture-of-Experts layer's experts fused in one tensor; a checkpoint, and vLLM's loader, one per
   expert), gathered from the FSDP shards a decoder layer at a time (model.hf_weights).
 - `LLMClient`: the control plane, four calls on the `vllm.LLM` object (`collective_rpc` to its workers,
-  in this process or in the engine's own).
+  in this process or in the engine's own); `send` finishes the workers' update when a sync fails midway.
 - a gloo backend (`GlooEngine` in the workers, `GlooTrainer` in the trainer), registered in vLLM's
   factories beside its NCCL (engine on GPUs of its own) and CUDA-IPC (engine sharing the trainer's GPU)
   backends: the same protocol on CPU, over a process group of its own between trainer rank 0 and the
@@ -21,6 +21,7 @@ skips. This file supplies the three pieces the trainer needs:
 vLLM's workers import this file (`WorkerExtension`, given as worker_extension_cls), which registers the gloo
 backend there before the engine is created.
 """
+import math
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from vllm.distributed.weight_transfer import (ParamMeta, TrainerWeightTransferEn
                                               WeightTransferEngine, WeightTransferEngineFactory,
                                               WeightTransferTrainerFactory)
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES
 
 import model as model_lib
 
@@ -53,31 +55,57 @@ class HFSource(WeightSource):
         return self._meta
 
     def __iter__(self):
-        for name, t in model_lib.hf_weights(self.lm):
-            yield name, t if self.dtype is None else t.to(self.dtype)
+        yield from model_lib.hf_weights(self.lm, dtype=self.dtype)  # cast before the gather, as gather_only does
 
 
 class LLMClient:
-    """The four control-plane calls of vLLM's `VLLMWeightSyncClient` protocol, on an `LLM`."""
+    """The four control-plane calls of vLLM's `VLLMWeightSyncClient` protocol, on an `LLM`. `updating`: the
+    workers were told to start an update and not yet to finish it."""
 
     def __init__(self, llm):
-        self.llm = llm
+        self.llm, self.updating = llm, False
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
 
     def start_weight_update(self) -> None:
         self.llm.collective_rpc("start_weight_update")
+        self.updating = True
 
     def update_weights(self, update_info) -> None:
         self.llm.collective_rpc("update_weights", args=(update_info,))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.collective_rpc("finish_weight_update")
+        self.updating = False
 
 
 class NoClient:
     """Trainer ranks other than 0 hold no engine: the transfer engines never call their client."""
+    updating = False
+
+
+def send(transfer) -> None:
+    """`transfer.send_weights()`, which calls start, update and finish on the workers with nothing around them:
+    one that fails after start (the trainer's side: packing, serialising, a CUDA error) leaves the workers
+    mid-update, refusing the next start, their layers half reloaded. They are finished before the error goes up
+    (a layer that received nothing gets its old weights back), and the error says the engine's weights are mixed."""
+    try:
+        transfer.send_weights()
+    except Exception as e:
+        if not transfer.client.updating:
+            raise
+        transfer.client.finish_weight_update()
+        raise RuntimeError("the weight sync failed after the engine's workers started the update; they finished it "
+                           "with the tensors that had arrived, and hold a mix of old and new weights: sync again "
+                           "before generating") from e
+
+
+def ipc_buffer_size(meta: list[ParamMeta], least: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES) -> int:
+    """Bytes of the packed CUDA-IPC buffer: `least` (vLLM's default, 1 GiB), or the model's largest tensor when
+    that is larger, since vLLM's packing refuses a tensor that does not fit (Qwen3-8B's bf16 embedding is
+    1.25 GB). Sizes are known before sending, from the source's metadata."""
+    return max([least] + [math.prod(m.shape) * m.dtype.itemsize for m in meta])
 
 
 def free_port() -> int:
@@ -86,10 +114,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def connect(llm, lm, backend: str, rank: int, engine_ranks: int, dtype: torch.dtype | None = None):
+def connect(llm, lm, backend: str, rank: int, engine_ranks: int, dtype: torch.dtype | None = None,
+            ipc_buffer: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES):
     """The trainer side of the transfer, on every trainer rank (rank 0 drives the engine `llm`; the others
     take part in the gathers): a vLLM `TrainerWeightTransferEngine` whose `send_weights()` moves the weights
-    of `lm` into the engine's `engine_ranks` workers."""
+    of `lm` into the engine's `engine_ranks` workers. `ipc_buffer`: the packed CUDA-IPC buffer's least size."""
+    source = HFSource(lm, dtype)
     if backend == "gloo":
         info = GlooTrainerInitInfo(rank=rank, port=free_port() if rank == 0 else 0, world_size=1 + engine_ranks)
     elif backend == "nccl":
@@ -98,11 +128,13 @@ def connect(llm, lm, backend: str, rank: int, engine_ranks: int, dtype: torch.dt
                                    world_size=1 + engine_ranks)
     elif backend == "ipc":
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-        info = IPCTrainerInitInfo(rank=rank, packed=True)  # through a bounded buffer, not the whole model at once
+        # through one reused buffer, not the whole model at once (the engine wakes its weights beside the trainer's)
+        info = IPCTrainerInitInfo(rank=rank, packed=True,
+                                  packed_buffer_size_bytes=ipc_buffer_size(source.metadata(), ipc_buffer))
     else:
         raise ValueError(f"unknown weight-transfer backend {backend!r}")
     return WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm) if rank == 0 else NoClient(),
-                                                     source=HFSource(lm, dtype))
+                                                     source=source)
 
 
 # ------------------------------------------------------------------------------------- the gloo backend
