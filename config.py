@@ -74,6 +74,10 @@ class Config:
     parallel: str = flag("fsdp", "under torchrun: fsdp (FSDP2: each decoder layer, then the root, sharded over "
                                  "the trainer ranks) or ddp (a full copy per rank)",
                          choices=["fsdp", "ddp"])
+    dist_timeout: float = flag(1800.0, "seconds a collective of the trainer ranks' own (the update's gathers and "
+                                       "reductions) may wait before the run ends (NCCL's watchdog: 600 by default). "
+                                       "Waiting for rank 0's rollout, evaluation or checkpoint is not bounded by it",
+                               ok=POSITIVE)
     rollout_gpus: str = flag("", "GPUs of the vLLM engine's own, e.g. '6,7', or a count taken from the last ones, "
                                  "e.g. '2'; torchrun's trainer ranks use the others. Empty: the engine shares the "
                                  "trainer's device (on a GPU it sleeps during the update; one trainer process)")

@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 from dataclasses import dataclass, fields
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -455,12 +456,29 @@ def all_true(flag: bool) -> bool:
     return all_max(-float(flag)) == -1.0  # all true <=> max(-flag) == -1
 
 
+# Waiting for rank 0's own work -- its rollout (UloRL: ~20 minutes a step at 128k), evaluation, the writing of a
+# checkpoint -- goes through a gloo group of its own whose timeout never ends a run: on GPUs the default group
+# is NCCL's, whose watchdog ends the job after --dist-timeout. A rank that dies still ends the job at once:
+# its peers' sockets close, and torchrun's agent stops the others and names it.
+LEAD_TIMEOUT = timedelta(days=36500)
+_lead_group = None
+
+
+def init_distributed(backend: str, timeout_s: float) -> None:
+    """The trainer ranks' default group (`backend`; its collectives, the update's, time out after `timeout_s`)
+    and the group that waits for rank 0 (broadcast, barrier)."""
+    global _lead_group
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    _lead_group = dist.new_group(backend="gloo", timeout=LEAD_TIMEOUT)
+
+
 def broadcast(obj):
-    """Rank 0's object on every rank (pickled: the step's batch of samples, the stop flag)."""
+    """Rank 0's object on every rank (pickled: the step's batch of samples, the stop flag), however long rank 0
+    takes to get there."""
     if world() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, device=_collective_device())
+    dist.broadcast_object_list(box, src=0, group=_lead_group, device=torch.device("cpu"))
     return box[0]
 
 
@@ -474,8 +492,9 @@ def gather_objects(obj) -> list:
 
 
 def barrier() -> None:
+    """Every rank here: in practice the others waiting for rank 0's file work (no timeout, as broadcast)."""
     if world() > 1:
-        dist.barrier()
+        dist.barrier(group=_lead_group)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

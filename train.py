@@ -56,7 +56,7 @@ def setup_distributed(cfg: Config) -> tuple[int, int]:
         if cfg.device.startswith("cuda"):
             cfg.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
             torch.cuda.set_device(cfg.device)
-        dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
+        model_lib.init_distributed("nccl" if cfg.device.startswith("cuda") else "gloo", cfg.dist_timeout)
     return model_lib.rank(), world
 
 

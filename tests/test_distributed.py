@@ -148,3 +148,60 @@ def test_two_nodes_train_like_two_local_ranks(runs, tmp_path):
     clean = lambda recs: [{k: v for k, v in r.items() if k not in skip and not k.startswith("memory/")} for r in recs]
     assert clean(records(out)) == clean(records(runs / "fsdp")[:3])
     assert rel_diff(weights(out, 3), weights(runs / "fsdp", 3)) == 0
+
+
+LONG_EVAL = ["--steps", "1", "--eval-data", "tiny", "--eval-n", "2048", "--eval-every", "1", "--max-response-len", "64",
+             "--dist-timeout", "10"]  # evaluations of ~20 s
+
+
+def test_waiting_for_rank_0_is_not_bounded_by_the_collective_timeout(tmp_path):
+    """Ranks 1..N-1 wait for rank 0's rollout, evaluation and checkpoints outside the trainers' collectives: an
+    evaluation before training that takes twice --dist-timeout does not end the run (on GPUs the timeout
+    is NCCL's watchdog, and rank 0 may roll out for twenty minutes)."""
+    out = tmp_path / "long"
+    train_run(out, *LONG_EVAL)
+    step0 = records(out)[0]
+    assert step0["step"] == 0 and step0["time/step_s"] > 10, step0["time/step_s"]
+
+
+def worker_pids(agent: int) -> dict[int, int]:
+    """torchrun's workers under the agent `agent`, by their RANK."""
+    pids = {}
+    for child in subprocess.run(["pgrep", "-P", str(agent)], capture_output=True, text=True).stdout.split():
+        try:
+            with open(f"/proc/{child}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"RANK" in env:
+            pids[int(env[b"RANK"])] = int(child)
+    return pids
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_that_dies_ends_the_run_and_is_named(tmp_path, victim):
+    """A rank killed while rank 0 evaluates (the others wait with no timeout): the run still ends within 60 s,
+    and torchrun's report names the rank that died as the first failure."""
+    import time
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
+           *ARGS, *LONG_EVAL, "--out", str(tmp_path / "killed")]
+    proc = start(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 text=True)
+    try:
+        deadline = time.time() + 120
+        while len(pids := worker_pids(proc.pid)) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(pids) == 2, "torchrun's workers did not start"
+        time.sleep(8)  # loaded, and rank 0 in its ~20 s evaluation before training
+        metrics = tmp_path / "killed" / "metrics.jsonl"
+        assert not metrics.exists() or not metrics.read_text(), "the evaluation ended before the kill"
+        os.kill(pids[victim], 9)
+        killed = time.time()
+        _, err = proc.communicate(timeout=90)
+        ended = time.time() - killed
+    finally:
+        kill_group(proc)
+    assert proc.returncode != 0
+    assert ended < 60, ended
+    root = err[err.index("Root Cause"):]
+    assert f"rank      : {victim} (local_rank: {victim})" in root and "SIGKILL" in root, root
