@@ -161,11 +161,17 @@ class Config:
                           ok=UNIT)
     mpt_sigma: float = flag(0.2, "target entropy: mask MPTs only while a sample's mean entropy is below it (UloRL)",
                             ok=POSITIVE)
-    max_logprob_gap: float = flag(1.0, "the engine/trainer log-prob gap (rollout/logprob_diff_max, nats, on tokens the "
-                                       "current weights sampled) past which the engine is taken to be wrong; 0 = never",
-                                  ok=at_least(0))
-    on_logprob_gap: str = flag("stop", "stop (before the update) or warn when the gap passes --max-logprob-gap: a "
-                                       "wrong engine silently trains on garbage", choices=["stop", "warn"])
+    max_engine_kl: float = flag(0.1, "the mean per-token KL between the engine's and the trainer's log-probs on tokens "
+                                     "the current weights sampled (rollout/engine_kl) past which the engine is taken "
+                                     "to be wrong; 0 = never (bf16 noise: ~3e-5 on the tiny model, ~1e-3 reported on "
+                                     "8-30B models)",
+                                ok=at_least(0))
+    engine_kl_jump: float = flag(10.0, "also stop when rollout/engine_kl passes this many times the median of the "
+                                       "last 10 steps': an engine that stopped following the trainer (a stale engine "
+                                       "is off by one update; at lr 1e-6 that is below bf16 noise); 0 = never",
+                                 ok=(lambda v: v == 0 or v > 1, "must be 0 (off) or > 1"))
+    on_engine_kl: str = flag("stop", "stop (before the update) or warn when the engine/trainer KL check fails: a "
+                                     "wrong engine silently trains on garbage", choices=["stop", "warn"])
     tis_cap: float = flag(0.0, "truncated importance sampling: weight each token's loss by min(pi_old / "
                                 "pi_behaviour, cap); corrects the engine/trainer mismatch on tokens the current "
                                 "weights sampled and, under pois, also the version gap of older segments; 0 = off",

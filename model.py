@@ -444,6 +444,15 @@ def all_sum(values: dict) -> dict:
     return dict(zip(keys, t.tolist()))
 
 
+def all_sum_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A tensor summed over the trainer ranks (a histogram's counts)."""
+    if world() == 1:
+        return t
+    out = t.to(_collective_device())
+    dist.all_reduce(out)
+    return out.cpu()
+
+
 def all_max(value: float) -> float:
     if world() == 1:
         return value

@@ -47,13 +47,14 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def make_moe_model(tokenizer, seed: int = 0) -> Qwen3MoeForCausalLM:
+def make_moe_model(tokenizer, seed: int = 0, experts: int = 4, top_k: int = 2) -> Qwen3MoeForCausalLM:
     """A random tiny Mixture-of-Experts model of the headline model's architecture (qwen3_moe, as
-    Qwen3-30B-A3B): 4 experts, top-2 routing in every layer, untied embeddings; ~0.6M parameters."""
+    Qwen3-30B-A3B): `experts` experts (4), top-`top_k` (2) routing in every layer, untied embeddings; ~0.6M
+    parameters with 4 experts."""
     torch.manual_seed(seed)
     config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=4,
-        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=experts,
+        num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rope_theta=10000.0,
         tie_word_embeddings=False, output_router_logits=False, bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32")

@@ -301,6 +301,11 @@ def save_checkpoint(path: str, **kw) -> None:
 
 # -------------------------------------------------------------------------------------------- main
 
+# A test switch: from this step on the engine gets no new weights, as when a sync silently fails to land (the
+# engine/trainer check must then stop the run). 0, the default: every sync happens.
+NO_SYNC_FROM = int(os.environ.get("ULORL_TEST_NO_SYNC_FROM", "0"))
+
+
 def main(cfg: Config, engine_hook=None) -> None:
     """The run. `engine_hook(engine) -> engine` may wrap rank 0's rollout engine (bench.py counts its work)."""
     if cfg.plan:  # for the WORLD_SIZE trainer ranks torchrun would start (1 without it); nothing is started
@@ -379,7 +384,7 @@ def main(cfg: Config, engine_hook=None) -> None:
         if lead:
             engine.pause()  # vLLM sharing the trainer's GPU sleeps meanwhile
         record.update(ulorl.update(policy, ref, opt, sched, groups, state.version, tokenizer.pad_token_id, cfg,
-                                   masters))
+                                   masters, state.engine_kl))
         record.update(memory_peaks(cfg, host_before))
         ulorl.count_bad_steps(record, state, cfg, warn=lead)
         if record["train/optimizer_steps"]:
@@ -391,7 +396,7 @@ def main(cfg: Config, engine_hook=None) -> None:
         # 7. the new weights reach the engine; unfinished samples continue under them
         if lead:
             engine.resume()
-        if record["train/optimizer_steps"]:
+        if record["train/optimizer_steps"] and not 0 < NO_SYNC_FROM <= step:
             t_sync = time.time()
             sync_weights(engine, lm, cfg.dtype)
             record["time/sync_s"] = time.time() - t_sync

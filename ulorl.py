@@ -65,6 +65,7 @@ class RunState:
     run_id: str = ""  # names the run in its checkpoints' manifests: --keep-last prunes only its own
     best_eval: float | None = None  # the best held-out accuracy so far (--ref-reset-on-stall)
     evals_since_best: int = 0  # evaluations since it last improved, or since the last reset
+    engine_kl: list = field(default_factory=list)  # the last steps' rollout/engine_kl (engine_gap_check)
 
 
 def dynamic_sampling(groups: list[list], enabled: bool) -> tuple[list[list], int]:
@@ -143,15 +144,19 @@ def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg) -> li
     return minis
 
 
+GAP_BINS = (-12.0, 2.0, 280)  # log10 |trainer - engine log-prob| from 1e-12 to 100 nats, 20 bins a decade
+
+
 @torch.no_grad()
-def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg) -> tuple[dict, float]:
+def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg) -> tuple[dict, float, torch.Tensor]:
     """Step 5, one pass with the weights about to be updated: pi_old (loss.old_logprobs: these current
     log-probs for every token under POIS, for the tokens these weights sampled under TOIS/SAIS), the
     reference's log-probs for the KL, entropy and the token masks; and how far the engine's behaviour
     log-probs are from the trainer's on the tokens these very weights sampled.
-    Returns (sums for the metrics, the largest engine/trainer gap)."""
-    stats = {"entropy": 0.0, "tokens": 0, "loss_tokens": 0, "pg_tokens": 0, "diff_sum": 0.0, "diff_n": 0}
-    diff_max = 0.0
+    Returns (sums for the metrics, the largest engine/trainer gap, a histogram of the gaps (GAP_BINS))."""
+    stats = {"entropy": 0.0, "tokens": 0, "loss_tokens": 0, "pg_tokens": 0, "diff_sum": 0.0, "diff_n": 0,
+             "kl_sum": 0.0}
+    diff_max, hist = 0.0, torch.zeros(GAP_BINS[2], dtype=torch.float64)
     for mbs in minis:
         for mb in mbs:
             cur, entropy = policy(mb, cfg.temperature)
@@ -161,16 +166,26 @@ def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg) -> tu
             mb.loss_mask, mb.pg_mask = token_masks(mb, cur, entropy, cfg)
             if mb.empty:
                 continue
-            gap = (cur - mb.behaviour).abs()[mb.versions == version]
             stats["entropy"] += entropy[mb.resp_mask].sum().item()
             stats["tokens"] += int(mb.resp_mask.sum())
             stats["loss_tokens"] += int(mb.loss_mask.sum())
             stats["pg_tokens"] += int(mb.pg_mask.sum())
-            if gap.numel():
-                diff_max = max(diff_max, gap.max().item())
-                stats["diff_sum"] += gap.sum().item()
-                stats["diff_n"] += gap.numel()
-    return stats, diff_max
+            d = (cur.double() - mb.behaviour.double())[mb.versions == version]  # log p_trainer - log p_engine
+            if d.numel():
+                diff_max = max(diff_max, d.abs().max().item())
+                stats["diff_sum"] += d.abs().sum().item()
+                stats["diff_n"] += d.numel()
+                # KL(engine || trainer) per token, k3 on the engine's own samples: unbiased, never negative
+                stats["kl_sum"] += (d.clamp(max=30).exp() - 1 - d).sum().item()
+                hist += torch.histc(d.abs().clamp(min=1e-12).log10().cpu(), GAP_BINS[2], *GAP_BINS[:2])
+    return stats, diff_max, hist
+
+
+def quantile(hist: torch.Tensor, q: float) -> float:
+    """The q-quantile of the gaps a GAP_BINS histogram counts, as its bin's upper edge (12% resolution)."""
+    lo, hi, bins = GAP_BINS
+    k = int(torch.searchsorted(hist.cumsum(0), q * hist.sum().item()))
+    return 10 ** (lo + (hi - lo) * min(k + 1, bins) / bins)
 
 
 def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg,
@@ -225,30 +240,51 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg,
     return totals, ratio_max, skipped, grad_norm
 
 
-def engine_gap_check(gap: float, cfg) -> None:
-    """A rollout engine that disagrees with the trainer about the tokens the very same weights sampled is
-    wrong (a weight sync that did not land, a kernel bug), and every sample it makes trains on garbage:
-    stop before the update, or warn, past --max-logprob-gap nats (fp32 engines agree to ~1e-5, bf16 ~1e-2)."""
-    if cfg.max_logprob_gap and gap > cfg.max_logprob_gap:
-        message = (f"the rollout engine and the trainer disagree by {gap:.3g} nats (rollout/logprob_diff_max) on "
-                   f"tokens the current weights sampled, past --max-logprob-gap {cfg.max_logprob_gap}: the engine's "
-                   f"weights or kernels are wrong")
-        if cfg.on_logprob_gap == "stop":
-            raise RuntimeError(message + "; stopping before the update (--on-logprob-gap warn trains on)")
-        if model_lib.rank() == 0:
-            print(f"WARNING: {message}", file=sys.stderr, flush=True)
+KL_HISTORY = 10  # steps whose engine/trainer KL the jump check compares with (their median)
 
 
-def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg, masters=None) -> dict:
+def engine_gap_check(kl: float, diff_max: float, cfg, recent: list) -> None:
+    """A rollout engine that disagrees with the trainer about the tokens the very same weights sampled is stale
+    (a weight sync that did not land) or wrong (weights, kernels), and every sample it makes trains on
+    garbage: stop before the update, or warn. The statistic is the mean per-token KL between them, not the
+    largest gap: bf16 engines and trainers differ by noise whose largest value grows with the tokens compared
+    (3.5 nats have been reported on a MoE model) while its mean stays put. Its noise level depends on the
+    model and the dtype (fp32 ~1e-12, the tiny model in bf16 ~3e-5, reports on 8-30B models in bf16 ~1e-3), so
+    two tests: past --engine-kl-jump times the median of the last KL_HISTORY steps (an engine that stopped
+    following the trainer; a fresh run has no history, and its first rollout comes from the weights both
+    loaded), or past --max-engine-kl whatever the history. `recent` is that history; this step's value joins it."""
+    baseline = sorted(recent)[len(recent) // 2] if recent else None
+    why = None
+    if cfg.max_engine_kl and kl > cfg.max_engine_kl:
+        why = f"past --max-engine-kl {cfg.max_engine_kl}: its weights or kernels are wrong"
+    elif cfg.engine_kl_jump and baseline and kl > cfg.engine_kl_jump * baseline:
+        why = (f"{kl / baseline:.0f}x the median of the last {len(recent)} steps ({baseline:.3g}), past "
+               f"--engine-kl-jump {cfg.engine_kl_jump}: the engine is stale (a weight sync that did not land?)")
+    recent[:] = (recent + [kl])[-KL_HISTORY:]
+    if why is None:
+        return
+    message = (f"the rollout engine and the trainer disagree on the tokens the current weights sampled: mean KL "
+               f"{kl:.3g} per token (rollout/engine_kl; largest log-prob gap {diff_max:.3g} nats), {why}")
+    if cfg.on_engine_kl == "stop":
+        raise RuntimeError(message + "; stopping before the update (--on-engine-kl warn trains on)")
+    if model_lib.rank() == 0:
+        print(f"WARNING: {message}", file=sys.stderr, flush=True)
+
+
+def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg, masters=None,
+           recent_kl: list | None = None) -> dict:
     """Steps 5-6 on a batch of complete, informative groups (the same batch on every rank); `version` is the
     policy version of the current weights. `policy` and `ref` are model.wrap()ped: they map a micro-batch to
-    response log-probs and entropy. `cfg` is config.py's Config; `masters`: optimize's. Returns the step's
-    training metrics."""
+    response log-probs and entropy. `cfg` is config.py's Config; `masters`: optimize's; `recent_kl`: the
+    engine/trainer KL history (RunState.engine_kl). Returns the step's training metrics."""
     samples = [s for g in groups for s in g]
     minis = plan_micro_batches(samples, sample_advantages(groups), pad_id, cfg)
-    stats, diff_max = prepare(policy, ref, minis, version, cfg)
-    diff_max = model_lib.all_max(diff_max)
-    engine_gap_check(diff_max, cfg)
+    stats, diff_max, gap_hist = prepare(policy, ref, minis, version, cfg)
+    diff_max, gap_hist = model_lib.all_max(diff_max), model_lib.all_sum_tensor(gap_hist)
+    fresh = model_lib.all_sum({k: stats[k] for k in ("diff_n", "kl_sum")})
+    engine_kl = fresh["kl_sum"] / fresh["diff_n"] if fresh["diff_n"] else None
+    if engine_kl is not None:
+        engine_gap_check(engine_kl, diff_max, cfg, [] if recent_kl is None else recent_kl)
     totals, ratio_max, skipped, grad_norm = optimize(policy, opt, sched, minis, cfg, masters)
     totals = model_lib.all_sum({**totals, **stats})
     stats = {k: totals.pop(k) for k in list(stats)}
@@ -267,8 +303,10 @@ def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: in
                 "mpt/masked_frac": (stats["loss_tokens"] - stats["pg_tokens"]) / max(stats["tokens"], 1),
                 "overlong/filtered_frac": 1 - stats["loss_tokens"] / max(stats["tokens"], 1),
                 # unknown (null), not perfect, when no trained token came from the current weights
+                "rollout/engine_kl": engine_kl,
                 "rollout/logprob_diff_max": diff_max if stats["diff_n"] else None,
                 "rollout/logprob_diff_mean": stats["diff_sum"] / stats["diff_n"] if stats["diff_n"] else None,
+                "rollout/logprob_diff_p99": min(quantile(gap_hist, 0.99), diff_max) if stats["diff_n"] else None,
                 **staleness(samples, version)})
     return out
 

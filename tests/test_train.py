@@ -162,13 +162,13 @@ def test_a_hub_name_loads_from_the_local_cache_offline(tmp_path):
 
 
 def test_an_engine_that_disagrees_with_the_trainer_stops_the_run(tmp_path):
-    """A gap past --max-logprob-gap stops the run before its update, naming the gap (here a threshold below
-    the fp32 noise of a correct engine, ~1e-6, stands in for a broken one)."""
-    p = run_train("--steps", "2", "--eval-data", "", "--max-logprob-gap", "1e-12", "--out", str(tmp_path / "o"))
+    """An engine/trainer KL past --max-engine-kl stops the run before its update, naming it (here a threshold
+    below the fp32 noise of a correct engine, ~1e-13, stands in for a broken one); warn trains on."""
+    p = run_train("--steps", "2", "--eval-data", "", "--max-engine-kl", "1e-30", "--out", str(tmp_path / "o"))
     assert p.returncode != 0
-    assert "the rollout engine and the trainer disagree by" in p.stderr and "--max-logprob-gap 1e-12" in p.stderr
+    assert "the rollout engine and the trainer disagree" in p.stderr and "past --max-engine-kl 1e-30" in p.stderr
     assert not os.path.exists(tmp_path / "o" / "step_000001")
-    p = run_train("--steps", "1", "--eval-data", "", "--max-logprob-gap", "1e-12", "--on-logprob-gap", "warn",
+    p = run_train("--steps", "1", "--eval-data", "", "--max-engine-kl", "1e-30", "--on-engine-kl", "warn",
                   "--out", str(tmp_path / "w"))
     assert p.returncode == 0 and "WARNING: the rollout engine and the trainer disagree" in p.stderr
 

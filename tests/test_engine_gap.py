@@ -1,0 +1,100 @@
+"""The engine/trainer check: it stops a run whose engine stopped following the trainer, and never a healthy bf16
+run. Its statistic is the mean per-token KL between the engine's and the trainer's log-probs on tokens the
+current weights sampled (rollout/engine_kl, logged with the gap's mean, p99 and max), compared with its own
+recent history and with an absolute ceiling; the largest gap grows with the tokens compared, so it is logged,
+not tested. The runs use vLLM's CPU build in bfloat16, on the tiny dense model and a tiny qwen3_moe.
+
+    python -m pytest tests/test_engine_gap.py -q        # ~4 minutes on 2 cores; the vLLM runs skip without vLLM
+"""
+import json
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+from conftest import run
+import tiny
+import ulorl
+from config import parse_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_VLLM = __import__("importlib").util.find_spec("vllm") is not None
+BF16_VLLM = ["--engine", "vllm", "--dtype", "bfloat16", "--eval-data", "", "--dump-samples", "0", "--lr-final", "1"]
+
+
+def test_the_check_compares_with_the_recent_median_and_a_ceiling():
+    cfg = parse_config([])  # defaults: --max-engine-kl 0.1, --engine-kl-jump 10
+    recent = []
+    ulorl.engine_gap_check(5e-5, 0.1, cfg, recent)  # no history: only the ceiling applies
+    for kl in (2e-5, 4e-5, 3e-5):
+        ulorl.engine_gap_check(kl, 0.1, cfg, recent)
+    assert recent == [5e-5, 2e-5, 4e-5, 3e-5]
+    ulorl.engine_gap_check(3.9e-4, 0.1, cfg, recent)  # 9.75x the median (4e-5): noise that grew, not a stale engine
+    with pytest.raises(RuntimeError, match=r"11x the median of the last 5 steps .* the engine is stale"):
+        ulorl.engine_gap_check(4.4e-4, 0.1, cfg, recent)
+    with pytest.raises(RuntimeError, match=r"past --max-engine-kl 0.1"):
+        ulorl.engine_gap_check(0.2, 3.0, cfg, [])
+    assert len(recent) == 6  # a failing value joins the history too
+    for _ in range(20):
+        ulorl.engine_gap_check(1e-5, 0.1, cfg, recent)
+    assert recent == [1e-5] * ulorl.KL_HISTORY
+    off = parse_config(["--engine-kl-jump", "0", "--max-engine-kl", "0"])
+    ulorl.engine_gap_check(50.0, 100.0, off, [1e-9])
+
+
+def test_p99_from_the_histogram_is_within_a_bin_of_the_exact_quantile():
+    gaps = torch.distributions.LogNormal(-6, 2).sample((100_000,)).double()
+    hist = torch.histc(gaps.log10(), ulorl.GAP_BINS[2], *ulorl.GAP_BINS[:2])
+    exact = torch.quantile(gaps[:50_000], 0.99).item()  # torch.quantile's input size limit; same distribution
+    got = ulorl.quantile(hist, 0.99)
+    assert exact <= got * 1.15 and got <= exact * 1.3, (got, exact)
+
+
+def train(out, *extra, env=None):
+    proc = run([sys.executable, "train.py", *BF16_VLLM, "--out", str(out), *extra], timeout=900,
+               env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    recs = []
+    if os.path.exists(os.path.join(out, "metrics.jsonl")):
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            recs = [json.loads(line) for line in f]
+    return proc, recs
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_a_healthy_bf16_run_passes_and_a_stale_engine_stops_it(tmp_path):
+    """The tiny default (lr 3e-4) in bf16 with vLLM: every step passes the check at its default settings; the
+    same run whose engine receives no weights from step 3 on stops at step 4, before its update, saying the
+    engine is stale (one update of the tiny default is ~30x the bf16 noise)."""
+    proc, recs = train(tmp_path / "healthy", "--steps", "6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kl = [r["rollout/engine_kl"] for r in recs]
+    assert len(kl) == 6 and all(0 < k < 1e-3 for k in kl), kl
+    for r in recs:
+        assert r["rollout/logprob_diff_mean"] <= r["rollout/logprob_diff_p99"] <= r["rollout/logprob_diff_max"]
+    proc, recs = train(tmp_path / "stale", "--steps", "6", env={"ULORL_TEST_NO_SYNC_FROM": "3"})
+    assert proc.returncode != 0
+    assert [r["step"] for r in recs] == [1, 2, 3]  # step 4 stopped before its update, and logged nothing
+    assert "the engine is stale" in proc.stderr and "stopping before the update" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_a_healthy_bf16_moe_run_passes(tmp_path):
+    """A tiny qwen3_moe with 16 experts, top-4, in bf16 with vLLM: the check passes at every step."""
+    tok = tiny.make_tokenizer()
+    model = tiny.make_moe_model(tok, experts=16, top_k=4)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    rng = random.Random(0)
+    with open(tmp_path / "data.jsonl", "w") as f:  # at most 4 words: a random model meets it about half the time
+        for _ in range(100):
+            prompt = "+".join(str(rng.randint(1, 9)) for _ in range(rng.randint(2, 5))) + "="
+            f.write(json.dumps({"prompt": prompt, "answer": [{"type": "max_words", "n": 4}], "verifier": "ifeval"}) + "\n")
+    proc, recs = train(tmp_path / "run", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data.jsonl"),
+                       "--steps", "3", "--max-response-len", "32", "--segments", "2", "--train-groups", "4",
+                       "--prompts-per-step", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(recs) == 3 and all(r["rollout/engine_kl"] is not None for r in recs)
