@@ -20,6 +20,7 @@ import torch
 import data
 import reward
 import tiny
+from model import is_local_path
 
 
 def flag(default, help, choices=None, ok=None):
@@ -47,7 +48,8 @@ def boolean(text: str) -> bool:
 @dataclass
 class Config:
     # run
-    preset: str = flag("tiny", "tiny (built-in default), ulorl or prorl: the papers' training settings",
+    preset: str = flag("tiny", "tiny (the built-in task), ulorl or prorl: the papers' training settings. Unset: "
+                               "ulorl for a hub model name (--model Qwen/Qwen3-30B-A3B), tiny for a local directory",
                        choices=["tiny", "ulorl", "prorl"])
     model: str = flag(tiny.CKPT, "hub name or local HF directory of the policy")
     data: str = flag("tiny", "training prompts: 'tiny', a .jsonl/.json/.parquet file, a saved dataset, a hub name, "
@@ -70,7 +72,8 @@ class Config:
                        choices=["auto", "hf", "vllm"])
     dtype: str = flag("float32", "float32, bfloat16 or float16 for the trainer's weights",
                       choices=["float32", "bfloat16", "float16"])
-    device: str = flag("cpu", "torch device of the trainer")
+    device: str = flag("auto", "torch device of the trainer: auto (the GPU when torch sees one, else cpu), cpu, cuda, "
+                               "cuda:N")
     parallel: str = flag("fsdp", "under torchrun: fsdp (FSDP2: each decoder layer, then the root, sharded over "
                                  "the trainer ranks) or ddp (a full copy per rank)",
                          choices=["fsdp", "ddp"])
@@ -83,8 +86,10 @@ class Config:
                                  "trainer's device (on a GPU it sleeps during the update; one trainer process)")
     rollout_tp: int = flag(0, "tensor-parallel size of the engine over --rollout-gpus; 0 = all of them",
                            ok=at_least(0))
-    rollout_mem: float = flag(0.25, "vLLM memory: on GPU the fraction of GPU memory it may take, on CPU GiB of KV cache",
-                              ok=POSITIVE)
+    rollout_mem: float = flag(0.0, "vLLM memory: on GPU the fraction of GPU memory it may take (0 = auto: 0.9 on "
+                                   "GPUs of its own, sharing the trainer's GPU what the memory plan leaves), on CPU "
+                                   "GiB of KV cache (0 = 0.25)",
+                              ok=at_least(0))
     rope_scaling_factor: float = flag(0.0, "YaRN rope scaling factor for trainer and engine alike; 0 = off "
                                              "(UloRL 1.5; a model saved with YaRN in its config needs none)",
                                       ok=(lambda v: v == 0 or v >= 1, "must be 0 (off) or >= 1"))
@@ -231,11 +236,13 @@ class Config:
 
 PRESETS = {
     "tiny": {},
+    # 2048 + 131072 = 133120 positions: YaRN x 4.0625 over Qwen3's 32768 native ones (Qwen documents x 4 for
+    # 131072). The paper's YaRN (x 1.5 over 95232) extends its 128k-trained model to 140k: README, "Long contexts"
     "ulorl": dict(model="Qwen/Qwen3-30B-A3B", dtype="bfloat16", device="cuda", group_size=8, prompts_per_step=128,
                   segments=8, max_response_len=131072, max_prompt_len=2048, temperature=0.85, train_groups=128,
                   mini_batch=1024, lr=1e-6, lr_final=1.0, eps_low=0.2, eps_high=0.2, is_mode="pois", mpt="dynamic",
                   mpt_tau=0.99, mpt_sigma=0.2, kl_coef=0.0, overlong="zero", max_tokens_per_micro_batch=65536,
-                  gradient_checkpointing=True, rope_scaling_factor=1.5, rope_original_max_positions=95232,
+                  gradient_checkpointing=True, rope_scaling_factor=4.0625, rope_original_max_positions=32768,
                   eval_every=10, eval_n=30, save_every=10, dump_samples=16, data="", eval_data=""),
     "prorl": dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", dtype="bfloat16", device="cuda",
                   group_size=16, prompts_per_step=256, segments=1, max_response_len=8192, max_prompt_len=2048,
@@ -255,9 +262,22 @@ def parse_config(argv=None, description: str = __doc__) -> Config:
         flag_kw = dict(type=boolean, nargs="?", const=True) if f.type is bool else dict(type=f.type)  # --pack = --pack true
         p.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"],
                        choices=f.metadata["choices"], **flag_kw)
+    p.set_defaults(preset=None)
     args = p.parse_args(argv)
-    p.set_defaults(**PRESETS[args.preset])  # preset values, then whatever the command line says
+    # a hub model name without a preset is a real run: the project's namesake's settings, not the tiny task's
+    implied = args.preset is None and args.model != tiny.CKPT and not is_local_path(args.model)
+    args.preset = args.preset or ("ulorl" if implied else "tiny")
+    p.set_defaults(**PRESETS[args.preset], preset=args.preset)  # preset values, then whatever the command line says
     cfg = Config(**vars(p.parse_args(argv)))
+    given = sys.argv[1:] if argv is None else argv
+    if implied and not cfg.plan and not any(a == "--data" or a.startswith("--data=") for a in given):
+        p.error(f"--model {cfg.model} is a hub model: without --preset it trains with UloRL's settings (--preset "
+                f"ulorl: lr 1e-6, 128k responses, bf16 on GPU), on prompts you give with --data (the built-in task "
+                f"is the tiny model's). For example:\n  torchrun --nproc-per-node 6 train.py --model {cfg.model} "
+                f"--data train.parquet --out runs/q30b\nor --preset prorl for ProRL's; --preset tiny keeps the tiny "
+                f"task's settings")
+    if cfg.device == "auto":
+        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
     for f in dataclasses.fields(cfg):
         name, value, ok = "--" + f.name.replace("_", "-"), getattr(cfg, f.name), f.metadata["ok"]
         if isinstance(value, float) and not math.isfinite(value):
@@ -284,8 +304,8 @@ def config_problems(cfg: Config) -> list[str]:
         out.append(f"--top-p {cfg.top_p} / --top-k {cfg.top_k}: training samples with top_p 1 and no top-k (both "
                    f"papers): the trainer's log-probs are over the full distribution, so a truncated one would bias "
                    f"every ratio, DMMPT probability and entropy. Use them for evaluation (eval.py --top-p/--top-k)")
-    if not (cfg.device == "cpu" or cfg.device == "cuda" or cfg.device.startswith("cuda:")):
-        out.append(f"--device {cfg.device}: must be cpu, cuda or cuda:N")
+    if not (cfg.device in ("cpu", "cuda") or cfg.device.startswith("cuda:")):
+        out.append(f"--device {cfg.device}: must be auto, cpu, cuda or cuda:N")
     elif cfg.device.startswith("cuda") and not torch.cuda.is_available() and not cfg.plan:  # planning needs no GPU
         out.append(f"--device {cfg.device}: this machine has no CUDA GPU that torch can use "
                    f"(torch {torch.__version__}, torch.cuda.is_available() is False); use --device cpu")
@@ -314,9 +334,6 @@ def config_problems(cfg: Config) -> list[str]:
         elif not cfg.device.startswith("cuda") or cfg.engine == "hf":
             out.append(f"--rollout-gpus {cfg.rollout_gpus}: GPUs of its own are for the vLLM engine on GPU "
                        f"(--engine vllm --device cuda)")
-    elif cfg.device.startswith("cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1 and cfg.engine == "vllm":
-        out.append("--engine vllm under torchrun on GPU: give the engine GPUs of its own with --rollout-gpus (sharing "
-                   "a GPU, with vLLM asleep during the update, is for one trainer process)")
     if cfg.ref_reset_on_stall and not (cfg.eval_data and cfg.eval_every):
         out.append(f"--ref-reset-on-stall {cfg.ref_reset_on_stall} counts held-out evaluations: give --eval-data and "
                    f"--eval-every > 0")
@@ -325,18 +342,46 @@ def config_problems(cfg: Config) -> list[str]:
     return out
 
 
-def rollout_gpus(cfg: Config, local_ranks: int) -> list[int]:
-    """--rollout-gpus as GPU ids: '6,7' as given, '2' the last two of this machine; none may be a trainer's
-    (local rank r trains on cuda:r)."""
-    if not cfg.rollout_gpus:
-        return []
-    parts = [int(p) for p in cfg.rollout_gpus.split(",")]
-    count = torch.cuda.device_count()
-    gpus = parts if "," in cfg.rollout_gpus else list(range(count - parts[0], count))
-    if not gpus or min(gpus) < local_ranks or max(gpus) >= count:
-        raise ValueError(f"--rollout-gpus {cfg.rollout_gpus}: GPUs {gpus} of {count}, but the {local_ranks} trainer "
-                         f"process(es) of this machine use cuda:0..{local_ranks - 1}; leave those to training")
-    if cfg.rollout_tp and cfg.rollout_tp != len(gpus):
-        raise ValueError(f"--rollout-tp {cfg.rollout_tp}: the engine is tensor-parallel over all {len(gpus)} "
-                         f"--rollout-gpus (data-parallel replicas are not built)")
-    return gpus
+def tensor_parallel_sizes(heads: int, kv_heads: int, most: int) -> list[int]:
+    """Tensor-parallel sizes vLLM can split a model over, up to `most`: each divides the attention heads, and
+    divides the KV heads or is a multiple of them (KV heads are then replicated)."""
+    return [t for t in range(1, most + 1) if heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)]
+
+
+def engine_placement(cfg: Config, gpu_count: int, local_ranks: int, heads: int, kv_heads: int,
+                     vllm: bool) -> tuple[list[int], int]:
+    """(the vLLM engine's GPU ids, its tensor-parallel size). --rollout-gpus as given ('6,7'; a count '2': the
+    last ones). Unset, on a machine with GPUs and vLLM on GPU, the GPUs its trainer processes leave free (local
+    rank r trains on cuda:r; one process without torchrun: cuda:0), as many as the largest TP that fits them
+    (`torchrun --nproc-per-node 6` on 8 GPUs: 6,7, TP 2); none free: the trainer's GPU, one trainer process
+    only ([] here), since several colocated trainer processes are not built. gpu_count 0 (a plan made without
+    GPUs): --rollout-gpus as written, unchecked. `vllm`: the engine is vLLM (engine.engine_kind)."""
+    if cfg.rollout_gpus:
+        parts = [int(p) for p in cfg.rollout_gpus.split(",")]
+        if not gpu_count:
+            gpus = parts if "," in cfg.rollout_gpus else list(range(local_ranks, local_ranks + parts[0]))
+            return gpus, cfg.rollout_tp or len(gpus)
+        gpus = parts if "," in cfg.rollout_gpus else list(range(gpu_count - parts[0], gpu_count))
+        if not gpus or min(gpus) < local_ranks or max(gpus) >= gpu_count:
+            raise ValueError(f"--rollout-gpus {cfg.rollout_gpus}: GPUs {gpus} of {gpu_count}, but the {local_ranks} "
+                             f"trainer process(es) of this machine use cuda:0..{local_ranks - 1}; leave those to training")
+        if cfg.rollout_tp and cfg.rollout_tp != len(gpus):
+            raise ValueError(f"--rollout-tp {cfg.rollout_tp}: the engine is tensor-parallel over all {len(gpus)} "
+                             f"--rollout-gpus (data-parallel replicas are not built)")
+        if len(gpus) not in tensor_parallel_sizes(heads, kv_heads, len(gpus)):
+            raise ValueError(f"--rollout-gpus {cfg.rollout_gpus}: vLLM cannot split {heads} attention heads ({kv_heads} "
+                             f"KV heads) over {len(gpus)} GPUs; give "
+                             f"{' or '.join(map(str, tensor_parallel_sizes(heads, kv_heads, len(gpus))))} of them")
+        return gpus, len(gpus)
+    if not cfg.device.startswith("cuda") or not gpu_count or not vllm:
+        return [], 1
+    free = list(range(local_ranks, gpu_count))
+    if not free:
+        if local_ranks > 1:
+            raise ValueError(f"every GPU of this machine ({gpu_count}) is a trainer rank, and vLLM needs GPUs of its own "
+                             f"under torchrun: run torchrun --nproc-per-node {max(gpu_count - 2, 1)} (the last "
+                             f"{min(2, gpu_count - 1)} serve), or one trainer process (vLLM shares its GPU and sleeps "
+                             f"during the update), or --engine hf")
+        return [], 1
+    tp = max(tensor_parallel_sizes(heads, kv_heads, len(free)))
+    return free[:tp], tp

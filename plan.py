@@ -169,6 +169,27 @@ def device_bytes(device: str) -> int | None:
         return None
 
 
+ENGINE_SHARE = 0.9  # of a GPU the engine owns alone (vLLM's own default)
+RESERVE = 0.05  # of a GPU the trainer's share leaves for CUDA's context, NCCL and fragmentation
+SAMPLING_STATE = ("weights", "AdamW moments", "compute copy (bf16)", "reference")  # kept while a colocated vLLM samples
+
+
+def engine_memory(plan: Plan, cfg, capacity: int | None) -> float:
+    """What the engine is given: --rollout-mem when set; on CPU 0.25 (GiB of KV cache); on GPU vLLM's
+    gpu_memory_utilization, a fraction of the whole GPU: ENGINE_SHARE on GPUs of its own, and sharing the
+    trainer's GPU what the trainer keeps while vLLM samples leaves (its weights, masters, AdamW moments and
+    reference stay; gradients and activations are freed), less RESERVE. vLLM refuses to start when its
+    fraction cannot hold its weights and one full-length sample (problems() says so before that)."""
+    if cfg.rollout_mem:
+        return cfg.rollout_mem
+    if not cfg.device.startswith("cuda"):
+        return 0.25
+    if cfg.rollout_gpus or not capacity:
+        return ENGINE_SHARE
+    state = sum(v for k, v in plan.trainer.items() if k in SAMPLING_STATE)
+    return max(0.0, int((1 - RESERVE - state / capacity) * 100) / 100)
+
+
 def problems(plan: Plan, cfg, capacity: int | None, colocated: bool) -> list[str]:
     """Why the plan cannot fit (empty when it can), with the flags that would help."""
     if capacity is None:
@@ -176,9 +197,7 @@ def problems(plan: Plan, cfg, capacity: int | None, colocated: bool) -> list[str
     out = []
     need = plan.trainer_total
     if colocated and plan.engine:  # vLLM sleeps while the trainer works; while it samples, the trainer's state stays
-        state = sum(v for k, v in plan.trainer.items()
-                    if k in ("weights", "gradients", "AdamW moments", "compute copy (bf16)", "reference"))
-        need = max(need, state + plan.engine_minimum)
+        need = max(need, sum(v for k, v in plan.trainer.items() if k in SAMPLING_STATE) + plan.engine_minimum)
     if need > capacity:
         help_ = ["more trainer GPUs (FSDP shards weights, gradients and AdamW)"]
         if not plan.trainer.get("gathered (FSDP)"):
@@ -191,9 +210,14 @@ def problems(plan: Plan, cfg, capacity: int | None, colocated: bool) -> list[str
         out.append(f"the trainer needs {need / GIB:.1f} GiB per {'GPU' if cfg.device.startswith('cuda') else 'machine'}"
                    f"{' (with the engine sharing it)' if colocated else ''}, more than its {capacity / GIB:.1f} GiB: "
                    f"try {', '.join(help_)}")
-    if plan.engine and not colocated and plan.engine_minimum > capacity:
-        out.append(f"the vLLM engine needs {plan.engine_minimum / GIB:.1f} GiB per GPU for its weights and one sample's "
-                   f"KV cache at full context, more than {capacity / GIB:.1f} GiB: more --rollout-gpus / --rollout-tp")
+    if plan.engine and cfg.device.startswith("cuda"):
+        fraction = engine_memory(plan, cfg, capacity)
+        if plan.engine_minimum > fraction * capacity:
+            more = "more --rollout-gpus / --rollout-tp" if not colocated else \
+                "GPUs of its own for the engine (--rollout-gpus), or FSDP over more trainer GPUs"
+            out.append(f"the vLLM engine needs {plan.engine_minimum / GIB:.1f} GiB per GPU for its weights and one "
+                       f"sample's KV cache at full context, more than its {fraction:.2f} of {capacity / GIB:.1f} GiB "
+                       f"(gpu_memory_utilization; --rollout-mem): {more}")
     return out
 
 
@@ -204,15 +228,17 @@ def report(plan: Plan, cfg, world: int) -> str:
     lines = [plan.table(f"{world} trainer rank(s), {cfg.device}"),
              "verdict: " + ("; ".join(why) if why else f"fits in {capacity / GIB:.1f} GiB" if capacity else
                             "this machine cannot say how much memory the device has: compare the totals")]
-    if capacity and plan.engine and not why:
-        lines.append(f"vLLM holds ~{engine_concurrency(plan, capacity):.0f} samples at full context at once per "
+    if capacity and plan.engine and not why and cfg.device.startswith("cuda"):
+        fraction = engine_memory(plan, cfg, capacity)
+        lines.append(f"vLLM gets gpu_memory_utilization {fraction:.2f} and holds "
+                     f"~{engine_concurrency(plan, capacity, fraction)} samples at full context at once per "
                      f"engine GPU; the rest of the batch queues")
     return "\n".join(lines)
 
 
-def engine_concurrency(plan: Plan, capacity: int, mem_fraction: float = 0.9) -> float:
+def engine_concurrency(plan: Plan, capacity: int, mem_fraction: float = ENGINE_SHARE) -> int:
     """How many samples vLLM can hold at full context at once in `mem_fraction` of a GPU (the rest queue)."""
-    return max(0.0, (capacity * mem_fraction - plan.engine["weights"]) / plan.engine["KV cache, 1 sample"])
+    return max(0, int((capacity * mem_fraction - plan.engine["weights"]) // plan.engine["KV cache, 1 sample"]))
 
 
 # --------------------------------------------------------------------------------------- measuring

@@ -41,7 +41,7 @@ import plan as plan_lib
 import reward
 import sandbox
 import ulorl
-from config import Config, parse_config, rollout_gpus
+from config import Config, engine_placement, parse_config
 from engine import Sampling, engine_kind, make_engine
 from segment_rollout import Pools, Sample, rollout_step
 from ulorl import RunState
@@ -86,13 +86,51 @@ def set_threads(requested: int, local_ranks: int) -> int:
     return requested
 
 
-def memory_plan(cfg: Config, world: int) -> plan_lib.Plan:
-    """plan.make_plan from the model's config.json alone (a hub name's from the Hugging Face cache or hub)."""
-    config = model_lib.model_config(cfg.model, cfg.rope_scaling_factor, cfg.rope_original_max_positions)
-    gpus = [g for g in cfg.rollout_gpus.split(",") if g]
-    engine_ranks = cfg.rollout_tp or (int(gpus[0]) if len(gpus) == 1 else len(gpus)) or 1
+def check_context(cfg: Config, config) -> None:
+    """A run needs --max-prompt-len + --max-response-len positions; a model that cannot take them (config.json's
+    max_position_embeddings, after YaRN) is an error before anything loads, never a silently shorter engine."""
+    need, have = cfg.max_prompt_len + cfg.max_response_len, config.max_position_embeddings
+    if need > have:
+        original = (getattr(config, "rope_parameters", None) or {}).get("original_max_position_embeddings") or have
+        raise ValueError(f"--max-prompt-len {cfg.max_prompt_len} + --max-response-len {cfg.max_response_len} = {need} "
+                         f"positions, but --model {cfg.model} takes {have} (max_position_embeddings"
+                         f"{', after YaRN' if cfg.rope_scaling_factor else ''}): extend it with YaRN, e.g. "
+                         f"--rope-scaling-factor {need / original:.6g} --rope-original-max-positions {original}, or "
+                         f"shorten the prompt or response caps")
+
+
+def place(cfg: Config, config, local_ranks: int) -> None:
+    """The engine's GPUs and tensor-parallel size into cfg.rollout_gpus / cfg.rollout_tp (config.engine_placement;
+    the model's heads bound the TP)."""
+    gpus, tp = engine_placement(cfg, torch.cuda.device_count() if cfg.device.startswith("cuda") else 0, local_ranks,
+                                config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+                                or config.num_attention_heads, engine_kind(cfg.engine, cfg.device) == "vllm")
+    cfg.rollout_gpus, cfg.rollout_tp = ",".join(map(str, gpus)), tp if gpus else 0
+
+
+def memory_plan(cfg: Config, world: int, config) -> plan_lib.Plan:
+    """plan.make_plan from the model's config.json alone (`config`; a hub name's from the Hugging Face cache or
+    hub), after place()."""
     vllm = engine_kind(cfg.engine, cfg.device) == "vllm"
-    return plan_lib.make_plan(plan_lib.Shape.of(config), cfg, world, engine_ranks, vllm)
+    return plan_lib.make_plan(plan_lib.Shape.of(config), cfg, world, cfg.rollout_tp or 1, vllm)
+
+
+def placement_line(cfg: Config, world: int, mem: float) -> str:
+    """The startup line that says where everything runs."""
+    ranks = f"{world} trainer rank{'s' if world > 1 else ''}"
+    where = cfg.device if world == 1 or not cfg.device.startswith("cuda") else f"cuda:0-{world - 1} of each node"
+    compute = f"{cfg.dtype} over fp32 master weights" if cfg.dtype != "float32" else "float32"
+    kind = engine_kind(cfg.engine, cfg.device)
+    if kind == "hf":
+        engine = "transformers, on " + ("the trainer's own module" if world == 1 else "a copy on rank 0")
+    elif not cfg.device.startswith("cuda"):
+        engine = f"vLLM on CPU ({mem:g} GiB of KV cache)"
+    elif cfg.rollout_gpus:
+        engine = f"vLLM on GPU {cfg.rollout_gpus} (TP {cfg.rollout_tp}, gpu_memory_utilization {mem:.2f})"
+    else:
+        engine = f"vLLM sharing {cfg.device}, asleep during the update (gpu_memory_utilization {mem:.2f})"
+    parallel = f", {cfg.parallel}" if world > 1 else ""
+    return f"placement: {ranks} on {where} ({compute}{parallel}); rollout engine: {engine}"
 
 
 def memory_peaks(cfg: Config, host_before: int) -> dict:
@@ -188,22 +226,21 @@ def load_models(cfg: Config, resume_from: str | None, world: int):
     return model_lib.wrap(lm, mode, compute_dtype=compute), ref, lm, ref_lm, tokenizer, masters
 
 
-def rollout_engine(cfg: Config, lm, tokenizer, path: str, world: int):
+def rollout_engine(cfg: Config, lm, tokenizer, path: str, world: int, mem: float):
     """Rank 0's engine. In one process the transformers engine samples with the trainer's own module and vLLM
     runs in-process (or, on GPU, sleeps on the trainer's GPU during updates); under torchrun the transformers
     engine samples with a copy on rank 0, and vLLM runs in a process of its own (inside a trainer rank it would
-    join torchrun's process group and wait forever), on --rollout-gpus when given."""
-    gpus = rollout_gpus(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    join torchrun's process group and wait forever), on the GPUs place() chose. `mem`: plan.engine_memory."""
+    gpus = [int(g) for g in cfg.rollout_gpus.split(",") if g]
     kind = engine_kind(cfg.engine, cfg.device)
     if kind == "hf" and world > 1:  # the trainer's module is sharded: the engine samples with a whole copy
         lm = model_lib.load(path, cfg.dtype, cfg.device, False, cfg.rope_scaling_factor,
                             cfg.rope_original_max_positions, cfg.attn_implementation)[0]
-    return make_engine(kind, lm, tokenizer, cfg.seed, path=path,
-                       max_model_len=min(cfg.max_prompt_len + cfg.max_response_len, lm.config.max_position_embeddings),
-                       mem=cfg.rollout_mem, device=cfg.device, dtype=cfg.dtype,
+    return make_engine(kind, lm, tokenizer, cfg.seed, path=path, max_model_len=cfg.max_prompt_len + cfg.max_response_len,
+                       mem=mem, device=cfg.device, dtype=cfg.dtype,
                        hf_overrides=model_lib.yarn_overrides(lm.config, cfg.rope_scaling_factor,
                                                              cfg.rope_original_max_positions),
-                       own_process=world > 1, gpus=gpus, tp=len(gpus) or 1)
+                       own_process=world > 1, gpus=gpus, tp=cfg.rollout_tp or 1)
 
 
 def held_out(engine, tokenizer, rows: list[dict], cfg: Config, judge: reward.Judge | None) -> dict:
@@ -308,18 +345,24 @@ NO_SYNC_FROM = int(os.environ.get("ULORL_TEST_NO_SYNC_FROM", "0"))
 
 def main(cfg: Config, engine_hook=None) -> None:
     """The run. `engine_hook(engine) -> engine` may wrap rank 0's rollout engine (bench.py counts its work)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    model_config = model_lib.model_config(cfg.model, cfg.rope_scaling_factor, cfg.rope_original_max_positions)
+    check_context(cfg, model_config)
+    place(cfg, model_config, local_ranks)
     if cfg.plan:  # for the WORLD_SIZE trainer ranks torchrun would start (1 without it); nothing is started
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if int(os.environ.get("RANK", "0")) == 0:
-            print(plan_lib.report(memory_plan(cfg, world), cfg, world), flush=True)
+            print(plan_lib.report(memory_plan(cfg, world, model_config), cfg, world), flush=True)
         return
     rank, world = setup_distributed(cfg)
     lead = rank == 0
-    threads = set_threads(cfg.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    threads = set_threads(cfg.threads, local_ranks)
+    plan, capacity = memory_plan(cfg, world, model_config), plan_lib.device_bytes(cfg.device)
+    engine_mem = plan_lib.engine_memory(plan, cfg, capacity)
     if lead:
         print(json.dumps(dataclasses.asdict(cfg)), flush=True)
-    plan = memory_plan(cfg, world)
-    if why := plan_lib.problems(plan, cfg, plan_lib.device_bytes(cfg.device), colocated=not cfg.rollout_gpus):
+        print(placement_line(cfg, world, engine_mem), flush=True)
+    if why := plan_lib.problems(plan, cfg, capacity, colocated=not cfg.rollout_gpus):
         raise ValueError("the run cannot fit (python train.py ... --plan shows the items):\n  " + "\n  ".join(why))
     os.umask(0o077)  # what the run writes is its own: checkpoints and samples hold the data's answers
     resume_from = checkpoint.find_resume(cfg.resume, cfg.out, cfg.overwrite)  # --out is checked before loading
@@ -338,7 +381,7 @@ def main(cfg: Config, engine_hook=None) -> None:
     host_before = plan_lib.reset_host_peak()
     policy, ref, lm, ref_lm, tokenizer, masters = load_models(cfg, resume_from, world)
     load_peak = model_lib.all_max(plan_lib.host_peak() - host_before) / 2**20  # MiB, the largest rank's
-    engine = rollout_engine(cfg, lm, tokenizer, resume_from or cfg.model, world) if lead else None
+    engine = rollout_engine(cfg, lm, tokenizer, resume_from or cfg.model, world, engine_mem) if lead else None
     if engine_hook is not None and engine is not None:
         engine = engine_hook(engine)
     opt = torch.optim.AdamW(masters.parameters() if masters else policy.parameters(), lr=cfg.lr,

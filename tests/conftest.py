@@ -45,6 +45,20 @@ def run(cmd: list[str], timeout: float, cwd=ROOT, env=None) -> subprocess.Comple
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def hub_cache(root, name: str, files: str) -> dict:
+    """A Hugging Face cache in `root` that holds the directory `files` as the hub model `name` (what a download
+    leaves: models--org--name/snapshots/<commit>/ and refs/main); returns the environment that makes
+    transformers, huggingface_hub and vLLM find it there, offline."""
+    import shutil
+    repo = os.path.join(str(root), "hub", "models--" + name.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(files, os.path.join(repo, "snapshots", commit), dirs_exist_ok=True)
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(commit)
+    return {"HF_HOME": str(root), "HF_HUB_CACHE": os.path.join(str(root), "hub"), "HF_HUB_OFFLINE": "1"}
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """A 0.8M-parameter model gains nothing from intra-op threads, and on a busy 2-core machine their

@@ -78,7 +78,7 @@ def test_plan_items_follow_the_flags(tmp_path):
     layer's input; flash attention keeps no scores; a vLLM engine's weights split over --rollout-tp."""
     import config
     shape = plan_lib.Shape.of(Qwen3Config.from_pretrained(huge_config(tmp_path)))
-    base = ["--model", "x", "--eval-data", "", "--max-tokens-per-micro-batch", "8192", "--max-response-len", "8000"]
+    base = ["--preset", "tiny", "--model", "x", "--eval-data", "", "--max-tokens-per-micro-batch", "8192", "--max-response-len", "8000"]
     one = plan_lib.make_plan(shape, config.parse_config(base), 1, 1, False)
     eight = plan_lib.make_plan(shape, config.parse_config(base + ["--parallel", "fsdp"]), 8, 1, False)
     assert eight.trainer["AdamW moments"] == one.trainer["AdamW moments"] // 8 == 2 * shape.params() * 4 // 8

@@ -155,7 +155,7 @@ def test_a_hub_name_loads_from_the_local_cache_offline(tmp_path):
                 timeout=600, env=env)
         assert p.returncode == 0, p.stderr[-3000:]
         assert os.path.exists(tmp_path / engine / "step_000001" / "model.safetensors")
-    p = run([sys.executable, "train.py", "--model", "ulorl-test/not-there", "--out", str(tmp_path / "x")],
+    p = run([sys.executable, "train.py", "--model", "ulorl-test/not-there", "--data", "tiny", "--out", str(tmp_path / "x")],
             cwd=ROOT, timeout=300, env=env)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "--model ulorl-test/not-there: neither a local directory nor a model" in p.stderr

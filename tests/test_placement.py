@@ -1,0 +1,109 @@
+"""The headline command as people will type it: where the engine goes for each GPU count and world size, a hub
+model name taking UloRL's settings (and refusing the tiny task), the context the ulorl preset needs and the
+error when a model cannot reach a context, and the memory vLLM is given. Pure functions and --plan runs on a
+local copy of Qwen3-30B-A3B's config.json in a Hugging Face cache layout: nothing is downloaded or loaded.
+
+    python -m pytest tests/test_placement.py -q        # ~20 s
+"""
+import os
+import sys
+
+import pytest
+
+from conftest import ROOT, hub_cache, run
+import model as model_lib
+import plan as plan_lib
+from config import engine_placement, parse_config
+
+QWEN3_30B = os.path.join(ROOT, "tests", "configs", "Qwen3-30B-A3B")  # 32 attention heads, 4 KV heads
+H200 = 141 * 10**9
+
+
+def gpu_cfg(*flags):
+    cfg = parse_config(["--preset", "ulorl", "--data", "x.jsonl", "--plan", *flags])  # --plan: no GPU needed to parse
+    cfg.device = "cuda"
+    return cfg
+
+
+@pytest.mark.parametrize("gpus, ranks, want", [
+    (8, 6, ([6, 7], 2)),        # the headline: torchrun --nproc-per-node 6 on 8 GPUs
+    (8, 4, ([4, 5, 6, 7], 4)),
+    (8, 1, ([1, 2, 3, 4], 4)),  # 7 free, but 32 heads split over 4 at most of them
+    (4, 2, ([2, 3], 2)),
+    (2, 1, ([1], 1)),
+    (1, 1, ([], 1)),            # one GPU: the engine shares it and sleeps during the update
+    (3, 1, ([1, 2], 2)),
+])
+def test_free_gpus_serve(gpus, ranks, want):
+    assert engine_placement(gpu_cfg(), gpus, ranks, 32, 4, vllm=True) == want
+
+
+def test_placement_refusals_and_explicit_gpus():
+    with pytest.raises(ValueError, match=r"every GPU of this machine \(8\) is a trainer rank.*--nproc-per-node 6"):
+        engine_placement(gpu_cfg(), 8, 8, 32, 4, vllm=True)
+    assert engine_placement(gpu_cfg("--rollout-gpus", "6,7"), 8, 6, 32, 4, vllm=True) == ([6, 7], 2)
+    assert engine_placement(gpu_cfg("--rollout-gpus", "2"), 8, 6, 32, 4, vllm=True) == ([6, 7], 2)
+    with pytest.raises(ValueError, match=r"trainer process\(es\) of this machine use cuda:0..6"):
+        engine_placement(gpu_cfg("--rollout-gpus", "6,7"), 8, 7, 32, 4, vllm=True)
+    with pytest.raises(ValueError, match=r"cannot split 32 attention heads \(4 KV heads\) over 3 GPUs; give 1 or 2"):
+        engine_placement(gpu_cfg("--rollout-gpus", "5,6,7"), 8, 5, 32, 4, vllm=True)
+    assert engine_placement(gpu_cfg(), 8, 6, 32, 4, vllm=False) == ([], 1)  # the transformers engine: rank 0
+    cpu = gpu_cfg()
+    cpu.device = "cpu"
+    assert engine_placement(cpu, 0, 2, 32, 4, vllm=True) == ([], 1)
+    assert engine_placement(gpu_cfg("--rollout-gpus", "6,7"), 0, 6, 32, 4, vllm=True) == ([6, 7], 2)  # a plan, no GPUs
+
+
+def test_a_hub_name_takes_ulorl_settings_and_a_local_directory_the_tiny_ones(tmp_path):
+    hub = parse_config(["--model", "Qwen/Qwen3-30B-A3B", "--data", "train.parquet", "--plan"])
+    assert (hub.preset, hub.lr, hub.max_response_len, hub.dtype) == ("ulorl", 1e-6, 131072, "bfloat16")
+    local = parse_config(["--model", QWEN3_30B, "--data", "tiny"])
+    assert (local.preset, local.lr, local.max_response_len, local.device) == ("tiny", 3e-4, 64, "cpu")
+    assert parse_config(["--model", "Qwen/Qwen3-4B", "--preset", "tiny", "--data", "tiny"]).lr == 3e-4
+    refused = run([sys.executable, "train.py", "--model", "Qwen/Qwen3-30B-A3B"], timeout=60,
+                  env=dict(os.environ, HF_HOME=str(tmp_path)))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "without --preset it trains with UloRL's settings" in refused.stderr and "--data train.parquet" in refused.stderr
+    assert "--preset prorl" in refused.stderr
+
+
+def test_the_ulorl_preset_reaches_its_context_and_a_short_model_is_an_error(tmp_path):
+    env = dict(os.environ, **hub_cache(tmp_path, "Qwen/Qwen3-30B-A3B", QWEN3_30B), WORLD_SIZE="6")
+    cfg = parse_config(["--preset", "ulorl", "--data", "x.jsonl", "--plan"])
+    config = model_lib.model_config(QWEN3_30B, cfg.rope_scaling_factor, cfg.rope_original_max_positions)
+    assert config.max_position_embeddings == 133120 == cfg.max_prompt_len + cfg.max_response_len
+    assert config.rope_parameters["original_max_position_embeddings"] == 32768  # Qwen3's native length
+    plan = run([sys.executable, "train.py", "--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus",
+                "6,7", "--plan"], timeout=120, env=env)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert "memory plan (6 trainer rank(s), cuda)" in plan.stdout and "KV cache, 1 sample" in plan.stdout
+    short = run([sys.executable, "train.py", "--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus",
+                 "6,7", "--plan", "--rope-scaling-factor", "0"], timeout=120, env=env)
+    assert short.returncode == 1 and "Traceback" not in short.stderr
+    assert ("--max-prompt-len 2048 + --max-response-len 131072 = 133120 positions, but --model Qwen/Qwen3-30B-A3B "
+            "takes 40960") in short.stderr and "--rope-scaling-factor 3.25" in short.stderr
+
+
+def test_engine_memory_follows_the_placement():
+    """GPUs of its own: 0.9 of each (a fixed 0.25 left an H200's engine 32.8 GiB, short of the 34.5 its weights and
+    one 133k-token sample need); sharing the trainer's GPU: what the trainer's state leaves, less 5%."""
+    from transformers import AutoConfig
+    shape = plan_lib.Shape.of(AutoConfig.from_pretrained(QWEN3_30B))
+    split = gpu_cfg("--rollout-gpus", "6,7")
+    split.rollout_tp = 2
+    plan = plan_lib.make_plan(shape, split, 6, 2, True)
+    assert plan_lib.engine_memory(plan, split, H200) == 0.9
+    assert plan_lib.engine_concurrency(plan, H200, 0.9) == 14  # (0.9 x 141 GB - 30.5 GB) / 6.5 GB per sample
+    assert not [p for p in plan_lib.problems(plan, split, H200, colocated=False) if "vLLM engine" in p]
+    split.rollout_mem = 0.25
+    (why,) = [p for p in plan_lib.problems(plan, split, H200, colocated=False) if "vLLM engine" in p]
+    assert "more than its 0.25 of 131.3 GiB (gpu_memory_utilization; --rollout-mem)" in why
+    small = parse_config(["--preset", "prorl", "--data", "x.jsonl", "--plan"])  # ProRL's 1.5B, one GPU
+    small.device = "cuda"
+    from transformers import Qwen2Config
+    shape = plan_lib.Shape.of(Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936))
+    plan = plan_lib.make_plan(shape, small, 1, 1, True)
+    state = sum(v for k, v in plan.trainer.items() if k in ("weights", "AdamW moments", "compute copy (bf16)", "reference"))
+    fraction = plan_lib.engine_memory(plan, small, H200)
+    assert fraction == int((0.95 - state / H200) * 100) / 100 and 0.5 < fraction < 0.95
