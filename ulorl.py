@@ -241,6 +241,9 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg,
 
 
 KL_HISTORY = 10  # steps whose engine/trainer KL the jump check compares with (their median)
+# ... and the least median it compares with: over a few hundred tokens a step bf16 noise swings from 1e-7 to
+# 4e-5 (the tiny model: 246x between two healthy steps), so a jump is measured from at least this
+KL_FLOOR = 5e-5
 
 
 def engine_gap_check(kl: float, diff_max: float, cfg, recent: list) -> None:
@@ -250,15 +253,15 @@ def engine_gap_check(kl: float, diff_max: float, cfg, recent: list) -> None:
     largest gap: bf16 engines and trainers differ by noise whose largest value grows with the tokens compared
     (3.5 nats have been reported on a MoE model) while its mean stays put. Its noise level depends on the
     model and the dtype (fp32 ~1e-12, the tiny model in bf16 ~3e-5, reports on 8-30B models in bf16 ~1e-3), so
-    two tests: past --engine-kl-jump times the median of the last KL_HISTORY steps (an engine that stopped
-    following the trainer; a fresh run has no history, and its first rollout comes from the weights both
-    loaded), or past --max-engine-kl whatever the history. `recent` is that history; this step's value joins it."""
-    baseline = sorted(recent)[len(recent) // 2] if recent else None
+    two tests: past --engine-kl-jump times the median of the last KL_HISTORY steps, or KL_FLOOR when that is
+    less (an engine that stopped following the trainer; a fresh run has no history, and its first rollout
+    comes from the weights both loaded), or past --max-engine-kl whatever the history. `recent` is that history; this step's value joins it."""
+    baseline = max(sorted(recent)[len(recent) // 2], KL_FLOOR) if recent else None
     why = None
     if cfg.max_engine_kl and kl > cfg.max_engine_kl:
         why = f"past --max-engine-kl {cfg.max_engine_kl}: its weights or kernels are wrong"
     elif cfg.engine_kl_jump and baseline and kl > cfg.engine_kl_jump * baseline:
-        why = (f"{kl / baseline:.0f}x the median of the last {len(recent)} steps ({baseline:.3g}), past "
+        why = (f"{kl / baseline:.0f}x the median of the last {len(recent)} steps (or {KL_FLOOR:g}: {baseline:.3g}), past "
                f"--engine-kl-jump {cfg.engine_kl_jump}: the engine is stale (a weight sync that did not land?)")
     recent[:] = (recent + [kl])[-KL_HISTORY:]
     if why is None:

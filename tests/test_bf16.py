@@ -69,10 +69,12 @@ def kill_and_resume(out, ranks, *extra):
     return train(out, ranks, *extra, "--resume", "auto")
 
 
-def masters(out, step=5):
+def masters(out, step=5, sharded=True):
     """The fp32 master weights of checkpoint `step`, flattened in parameter order (each rank's shards
-    joined along the first dimension, as FSDP2 splits them)."""
+    joined along the first dimension, as FSDP2 splits them; DDP's ranks hold the same whole copy)."""
     states = sorted(f for f in os.listdir(os.path.join(out, f"step_{step:06d}")) if f.startswith("trainer_state"))
+    if not sharded:
+        states = states[:1]
     shards = [torch.load(os.path.join(out, f"step_{step:06d}", f), weights_only=True)["masters"] for f in states]
     return torch.cat([torch.cat(parts).flatten() for parts in zip(*shards)])
 
@@ -90,7 +92,7 @@ def updates(lm, groups, tok, kind, n=5):
     masters = model_lib.MasterWeights(lm, torch.bfloat16) if kind == "masters" else None
     if kind == "bf16":
         lm.to(torch.bfloat16)
-    cfg = parse_config(["--lr", "1e-6", "--lr-final", "1", "--steps", str(n), "--max-logprob-gap", "0"])
+    cfg = parse_config(["--lr", "1e-6", "--lr-final", "1", "--steps", str(n), "--max-engine-kl", "0"])
     params = masters.parameters() if masters else list(lm.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
@@ -128,19 +130,21 @@ def runs(tmp_path_factory):
     return {"one": train(d / "one", 1, "--dtype", "bfloat16"),
             "one_resumed": kill_and_resume(d / "one_resumed", 1, "--dtype", "bfloat16"),
             "fsdp": train(d / "fsdp", 2, "--dtype", "bfloat16", "--parallel", "fsdp"),
+            "ddp": train(d / "ddp", 2, "--dtype", "bfloat16", "--parallel", "ddp"),
             "fsdp_resumed": kill_and_resume(d / "fsdp_resumed", 2, "--dtype", "bfloat16", "--parallel", "fsdp")}
 
 
 @pytest.mark.slow
-def test_fsdp_masters_move_like_one_process(runs):
-    """2 FSDP2 ranks in bf16 (MixedPrecisionPolicy on gloo) against one process in bf16 (MasterWeights): the
-    same rollouts (rank 0 samples with a bf16 copy), so their masters' change over 5 steps points the same
-    way; the checkpoints' HF export is bf16."""
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_two_ranks_move_the_masters_like_one_process(runs, parallel):
+    """2 ranks in bf16 (FSDP2: MixedPrecisionPolicy on gloo; DDP: MasterWeights, gradients all-reduced in fp32)
+    against one process in bf16 (MasterWeights): the same rollouts (rank 0 samples with a bf16 copy), so their
+    masters' change over 5 steps points the same way; the checkpoints' HF export is bf16."""
     start_ = flat(tiny.CKPT)
-    cosine = torch.nn.functional.cosine_similarity(masters(runs["fsdp"]) - start_, masters(runs["one"]) - start_,
-                                                   dim=0).item()
+    two = masters(runs[parallel], sharded=parallel == "fsdp")
+    cosine = torch.nn.functional.cosine_similarity(two - start_, masters(runs["one"]) - start_, dim=0).item()
     assert cosine > 0.99, cosine
-    for mode in ("one", "fsdp"):
+    for mode in ("one", parallel):
         export = load_file(os.path.join(runs[mode], "step_000005", "model.safetensors"))
         assert {t.dtype for t in export.values()} == {torch.bfloat16}
         with open(os.path.join(runs[mode], "step_000005", "config.json")) as f:

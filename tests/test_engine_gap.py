@@ -27,19 +27,22 @@ BF16_VLLM = ["--engine", "vllm", "--dtype", "bfloat16", "--eval-data", "", "--du
 def test_the_check_compares_with_the_recent_median_and_a_ceiling():
     cfg = parse_config([])  # defaults: --max-engine-kl 0.1, --engine-kl-jump 10
     recent = []
-    ulorl.engine_gap_check(5e-5, 0.1, cfg, recent)  # no history: only the ceiling applies
-    for kl in (2e-5, 4e-5, 3e-5):
+    ulorl.engine_gap_check(5e-4, 0.1, cfg, recent)  # no history: only the ceiling applies
+    for kl in (1e-4, 3e-4, 2e-4):
         ulorl.engine_gap_check(kl, 0.1, cfg, recent)
-    assert recent == [5e-5, 2e-5, 4e-5, 3e-5]
-    ulorl.engine_gap_check(3.9e-4, 0.1, cfg, recent)  # 9.75x the median (4e-5): noise that grew, not a stale engine
+    assert recent == [5e-4, 1e-4, 3e-4, 2e-4]
+    ulorl.engine_gap_check(2.9e-3, 0.1, cfg, recent)  # 9.7x the median (3e-4): noise that grew, not a stale engine
     with pytest.raises(RuntimeError, match=r"11x the median of the last 5 steps .* the engine is stale"):
-        ulorl.engine_gap_check(4.4e-4, 0.1, cfg, recent)
+        ulorl.engine_gap_check(3.3e-3, 0.1, cfg, recent)
     with pytest.raises(RuntimeError, match=r"past --max-engine-kl 0.1"):
         ulorl.engine_gap_check(0.2, 3.0, cfg, [])
     assert len(recent) == 6  # a failing value joins the history too
     for _ in range(20):
-        ulorl.engine_gap_check(1e-5, 0.1, cfg, recent)
-    assert recent == [1e-5] * ulorl.KL_HISTORY
+        ulorl.engine_gap_check(1e-7, 0.1, cfg, recent)
+    assert recent == [1e-7] * ulorl.KL_HISTORY
+    ulorl.engine_gap_check(4e-4, 0.1, cfg, recent)  # 4000x a tiny median, but under 10x the floor: bf16 noise
+    with pytest.raises(RuntimeError, match="the engine is stale"):
+        ulorl.engine_gap_check(6e-4, 0.1, cfg, recent)
     off = parse_config(["--engine-kl-jump", "0", "--max-engine-kl", "0"])
     ulorl.engine_gap_check(50.0, 100.0, off, [1e-9])
 
