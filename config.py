@@ -230,6 +230,9 @@ class Config:
                           ok=(lambda v: set(v.split(",")) <= {"none", "tensorboard", "wandb"},
                               "must be none, tensorboard, wandb or 'tensorboard,wandb'"))
     plan: bool = flag(False, "print the memory plan (per trainer rank, per engine GPU, from config.json alone) and exit")
+    device_memory: float = flag(0.0, "memory of one device in decimal GB, as vendors state it (H200: 141, H100: 80), "
+                                     "for the plan and its checks; 0 = what torch reports (the RAM on CPU)",
+                                ok=at_least(0))
     dump_samples: int = flag(256, "samples.jsonl records per step (0: none)",
                              ok=at_least(0))
 

@@ -158,8 +158,11 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
     return Plan(trainer, engine)
 
 
-def device_bytes(device: str) -> int | None:
-    """Memory of one device: a GPU's, or this machine's RAM for cpu; None when unknown."""
+def device_bytes(device: str, stated_gb: float = 0.0) -> int | None:
+    """Memory of one device: `stated_gb` (--device-memory, decimal gigabytes as vendors state them) when given,
+    else a GPU's, or this machine's RAM for cpu; None when unknown."""
+    if stated_gb:
+        return int(stated_gb * 10**9)
     if device.startswith("cuda"):
         import torch
         return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
@@ -223,11 +226,12 @@ def problems(plan: Plan, cfg, capacity: int | None, colocated: bool) -> list[str
 
 def report(plan: Plan, cfg, world: int) -> str:
     """What `train.py --plan` prints: the plan's table and whether it fits this machine's device."""
-    capacity = device_bytes(cfg.device)
+    capacity = device_bytes(cfg.device, cfg.device_memory)
     why = problems(plan, cfg, capacity, colocated=not cfg.rollout_gpus)  # no --rollout-gpus: vLLM shares the GPU
     lines = [plan.table(f"{world} trainer rank(s), {cfg.device}"),
              "verdict: " + ("; ".join(why) if why else f"fits in {capacity / GIB:.1f} GiB" if capacity else
-                            "this machine cannot say how much memory the device has: compare the totals")]
+                            "this machine cannot say how much memory the device has: give it, e.g. --device-memory 141 "
+                            "for an H200")]
     if capacity and plan.engine and not why and cfg.device.startswith("cuda"):
         fraction = engine_memory(plan, cfg, capacity)
         lines.append(f"vLLM gets gpu_memory_utilization {fraction:.2f} and holds "

@@ -357,7 +357,7 @@ def main(cfg: Config, engine_hook=None) -> None:
     rank, world = setup_distributed(cfg)
     lead = rank == 0
     threads = set_threads(cfg.threads, local_ranks)
-    plan, capacity = memory_plan(cfg, world, model_config), plan_lib.device_bytes(cfg.device)
+    plan, capacity = memory_plan(cfg, world, model_config), plan_lib.device_bytes(cfg.device, cfg.device_memory)
     engine_mem = plan_lib.engine_memory(plan, cfg, capacity)
     if lead:
         print(json.dumps(dataclasses.asdict(cfg)), flush=True)

@@ -107,3 +107,18 @@ def test_engine_memory_follows_the_placement():
     state = sum(v for k, v in plan.trainer.items() if k in ("weights", "AdamW moments", "compute copy (bf16)", "reference"))
     fraction = plan_lib.engine_memory(plan, small, H200)
     assert fraction == int((0.95 - state / H200) * 100) / 100 and 0.5 < fraction < 0.95
+
+
+def test_a_plan_for_a_target_gpu_from_any_machine(tmp_path):
+    """--device-memory (decimal GB, as vendors state it) gives the verdict a machine without the GPU cannot:
+    the headline's trainer does not fit an H200 at 128k yet (context parallelism and optimizer offload are not
+    built), even with flash attention."""
+    env = dict(os.environ, **hub_cache(tmp_path, "Qwen/Qwen3-30B-A3B", QWEN3_30B), WORLD_SIZE="6")
+    plan = run([sys.executable, "train.py", "--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus",
+                "6,7", "--plan", "--device-memory", "141", "--attn-implementation", "flash_attention_2"],
+               timeout=120, env=env)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert "verdict: the trainer needs 150.9 GiB per GPU, more than its 131.3 GiB" in plan.stdout, plan.stdout
+    unknown = run([sys.executable, "train.py", "--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus",
+                   "6,7", "--plan"], timeout=120, env=env)
+    assert "give it, e.g. --device-memory 141" in unknown.stdout
