@@ -336,7 +336,8 @@ def segment_rows(variants: list[str], recs: dict, counts: dict, calls: dict, by_
 def bench_segments(args, train_flags: list[str]) -> dict:
     work = args.dir or tempfile.mkdtemp(prefix="bench_segments_")
     os.makedirs(work, exist_ok=True)
-    base = ["--eval-data", "", "--dump-samples", "0", "--save-every", "0", "--keep-last", "1", "--seed", str(args.seed)]
+    base = ["--preset", "tiny",  # the tiny task's settings for any --model (a hub name alone would take UloRL's)
+            "--eval-data", "", "--dump-samples", "0", "--save-every", "0", "--keep-last", "1", "--seed", str(args.seed)]
     if args.task == "controlled":
         base += ["--data", controlled_data(os.path.join(work, "controlled.jsonl"), 20_000, args.seed)]
     variants = args.segments.split(",")  # "4u": 4 segments, the transformers engine's prefill not bucketed
@@ -487,7 +488,8 @@ def bench_trl(args, train_flags: list[str]) -> dict:
     os.makedirs(work, exist_ok=True)
     # identical settings: one rollout of prompts_per_step x G, one optimizer step on all of it, DAPO token-level
     # loss, no KL, no dynamic sampling and no DMMPTs (TRL has neither)
-    common = ["--eval-data", "", "--dump-samples", "0", "--save-every", "0", "--keep-last", "1", "--seed",
+    common = ["--preset", "tiny", "--device", "cpu",  # TRL's side runs on the CPU
+              "--eval-data", "", "--dump-samples", "0", "--save-every", "0", "--keep-last", "1", "--seed",
               str(args.seed), "--dynamic-sampling", "false", "--mpt", "off", "--kl-coef", "0", "--lr-final", "1",
               *train_flags]  # TRL's side runs a constant learning rate
     cfg = train.parse_config(common)

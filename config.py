@@ -70,7 +70,8 @@ class Config:
     engine: str = flag("auto", "rollout engine: hf (transformers), vllm, or auto (vLLM when installed and on GPU; "
                                "else hf)",
                        choices=["auto", "hf", "vllm"])
-    dtype: str = flag("float32", "float32, bfloat16 or float16 for the trainer's weights",
+    dtype: str = flag("float32", "the trainer's compute dtype and its checkpoints' (float32, bfloat16, float16); "
+                                 "below float32 the optimizer steps fp32 master weights",
                       choices=["float32", "bfloat16", "float16"])
     device: str = flag("auto", "torch device of the trainer: auto (the GPU when torch sees one, else cpu), cpu, cuda, "
                                "cuda:N")
@@ -82,8 +83,9 @@ class Config:
                                        "Waiting for rank 0's rollout, evaluation or checkpoint is not bounded by it",
                                ok=POSITIVE)
     rollout_gpus: str = flag("", "GPUs of the vLLM engine's own, e.g. '6,7', or a count taken from the last ones, "
-                                 "e.g. '2'; torchrun's trainer ranks use the others. Empty: the engine shares the "
-                                 "trainer's device (on a GPU it sleeps during the update; one trainer process)")
+                                 "e.g. '2'; torchrun's trainer ranks use the others. Empty: the GPUs the trainer "
+                                 "processes leave free, or, with none free, the trainer's own (one trainer process; "
+                                 "vLLM sleeps during the update)")
     rollout_tp: int = flag(0, "tensor-parallel size of the engine over --rollout-gpus; 0 = all of them",
                            ok=at_least(0))
     rollout_mem: float = flag(0.0, "vLLM memory: on GPU the fraction of GPU memory it may take (0 = auto: 0.9 on "
@@ -172,8 +174,9 @@ class Config:
                                      "8-30B models)",
                                 ok=at_least(0))
     engine_kl_jump: float = flag(10.0, "also stop when rollout/engine_kl passes this many times the median of the "
-                                       "last 10 steps': an engine that stopped following the trainer (a stale engine "
-                                       "is off by one update; at lr 1e-6 that is below bf16 noise); 0 = never",
+                                       "last 10 steps (at least 5e-5, bf16 noise's reach on a small model): an engine "
+                                       "that stopped following the trainer (off by one update; at lr 1e-6 that is "
+                                       "below bf16 noise); 0 = never",
                                  ok=(lambda v: v == 0 or v > 1, "must be 0 (off) or > 1"))
     on_engine_kl: str = flag("stop", "stop (before the update) or warn when the engine/trainer KL check fails: a "
                                      "wrong engine silently trains on garbage", choices=["stop", "warn"])
@@ -279,8 +282,9 @@ def parse_config(argv=None, description: str = __doc__) -> Config:
                 f"is the tiny model's). For example:\n  torchrun --nproc-per-node 6 train.py --model {cfg.model} "
                 f"--data train.parquet --out runs/q30b\nor --preset prorl for ProRL's; --preset tiny keeps the tiny "
                 f"task's settings")
-    if cfg.device == "auto":
-        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.device == "auto":  # a GPU for each of this machine's trainer processes, or the CPU
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        cfg.device = "cuda" if gpus and gpus >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) else "cpu"
     for f in dataclasses.fields(cfg):
         name, value, ok = "--" + f.name.replace("_", "-"), getattr(cfg, f.name), f.metadata["ok"]
         if isinstance(value, float) and not math.isfinite(value):
@@ -355,19 +359,20 @@ def engine_placement(cfg: Config, gpu_count: int, local_ranks: int, heads: int, 
                      vllm: bool) -> tuple[list[int], int]:
     """(the vLLM engine's GPU ids, its tensor-parallel size). --rollout-gpus as given ('6,7'; a count '2': the
     last ones). Unset, on a machine with GPUs and vLLM on GPU, the GPUs its trainer processes leave free (local
-    rank r trains on cuda:r; one process without torchrun: cuda:0), as many as the largest TP that fits them
+    rank r trains on cuda:r; one process: its --device), as many as the largest TP that fits them
     (`torchrun --nproc-per-node 6` on 8 GPUs: 6,7, TP 2); none free: the trainer's GPU, one trainer process
     only ([] here), since several colocated trainer processes are not built. gpu_count 0 (a plan made without
     GPUs): --rollout-gpus as written, unchecked. `vllm`: the engine is vLLM (engine.engine_kind)."""
+    used = [int(cfg.device.split(":")[1])] if local_ranks == 1 and ":" in cfg.device else list(range(local_ranks))
     if cfg.rollout_gpus:
         parts = [int(p) for p in cfg.rollout_gpus.split(",")]
         if not gpu_count:
             gpus = parts if "," in cfg.rollout_gpus else list(range(local_ranks, local_ranks + parts[0]))
             return gpus, cfg.rollout_tp or len(gpus)
         gpus = parts if "," in cfg.rollout_gpus else list(range(gpu_count - parts[0], gpu_count))
-        if not gpus or min(gpus) < local_ranks or max(gpus) >= gpu_count:
-            raise ValueError(f"--rollout-gpus {cfg.rollout_gpus}: GPUs {gpus} of {gpu_count}, but the {local_ranks} "
-                             f"trainer process(es) of this machine use cuda:0..{local_ranks - 1}; leave those to training")
+        if not gpus or set(gpus) & set(used) or max(gpus) >= gpu_count:
+            raise ValueError(f"--rollout-gpus {cfg.rollout_gpus}: GPUs {gpus} of {gpu_count}, but this machine's "
+                             f"trainer process(es) use {', '.join(f'cuda:{g}' for g in used)}; leave those to training")
         if cfg.rollout_tp and cfg.rollout_tp != len(gpus):
             raise ValueError(f"--rollout-tp {cfg.rollout_tp}: the engine is tensor-parallel over all {len(gpus)} "
                              f"--rollout-gpus (data-parallel replicas are not built)")
@@ -378,7 +383,7 @@ def engine_placement(cfg: Config, gpu_count: int, local_ranks: int, heads: int, 
         return gpus, len(gpus)
     if not cfg.device.startswith("cuda") or not gpu_count or not vllm:
         return [], 1
-    free = list(range(local_ranks, gpu_count))
+    free = [g for g in range(gpu_count) if g not in used]
     if not free:
         if local_ranks > 1:
             raise ValueError(f"every GPU of this machine ({gpu_count}) is a trainer rank, and vLLM needs GPUs of its own "

@@ -355,15 +355,16 @@ def engine_kind(kind: str, device: str) -> str:
     return kind
 
 
-def make_engine(kind: str, model, tokenizer, seed: int, path: str = "", max_model_len: int = 0, mem: float = 0.25,
+def make_engine(kind: str, model, tokenizer, seed: int, path: str = "", max_model_len: int = 0, mem: float = 0.0,
                 device: str = "cpu", dtype: str = "float32", hf_overrides: dict | None = None,
                 own_process: bool = False, gpus: list[int] | None = None, tp: int = 1):
     """`kind` is --engine (engine_kind). The HF engine samples with `model`; vLLM loads the weights in
     `path` (a local directory or a hub name). `hf_overrides`: config fields vLLM sets over config.json (YaRN,
     model.yarn_overrides); the HF engine needs none, its module already has them. `gpus`, `tp`: vLLM on GPUs
     of its own, tensor-parallel over `tp` of them."""
-    if engine_kind(kind, device) == "vllm":
-        return VLLMEngine(path, seed, dtype, max_model_len, mem, device, hf_overrides, own_process, gpus, tp)
+    if engine_kind(kind, device) == "vllm":  # mem 0: 0.25 GiB of KV cache on CPU, 0.9 of a GPU it owns
+        return VLLMEngine(path, seed, dtype, max_model_len, mem or (0.25 if device == "cpu" else 0.9), device,
+                          hf_overrides, own_process, gpus, tp)
     if gpus:
         raise ValueError(f"--rollout-gpus {gpus}: GPUs of its own are for the vLLM engine (pip install vllm==0.32.0)")
     return HFEngine(model, stop_ids(tokenizer, model), tokenizer.pad_token_id, seed)

@@ -30,6 +30,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 from collections import Counter
 
@@ -78,10 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     # engine
     p.add_argument("--engine", default="auto", choices=["auto", "hf", "vllm"],
                    help="hf (transformers), vllm, or auto (vllm when installed, off CPU)")
-    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    p.add_argument("--device", default="auto", help="torch device: auto (the GPU when torch sees one), cpu, cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the weights' dtype")
-    p.add_argument("--rollout-mem", type=float, default=0.25, help="vLLM memory: GPU fraction, or GiB of KV cache on CPU")
+    p.add_argument("--rollout-mem", type=float, default=0.0,
+                   help="vLLM memory: GPU fraction, or GiB of KV cache on CPU; 0 = 0.9 on GPU, 0.25 on CPU")
     p.add_argument("--reward-timeout", type=float, default=5.0, help="seconds per reward check (longer scores 0)")
     p.add_argument("--report", default="", help="write the JSON report here")
     args = p.parse_args(argv)
@@ -93,10 +95,12 @@ def parse_args(argv=None) -> argparse.Namespace:
               "max_response_len": (args.max_response_len >= 1, ">= 1"),
               "temperature": (args.temperature > 0, "> 0 (1e-5 decodes almost greedily)"),
               "top_p": (0 < args.top_p <= 1, "in (0, 1]"), "top_k": (args.top_k >= -1, "-1 (off) or >= 1"),
-              "reward_timeout": (args.reward_timeout > 0, "> 0"), "rollout_mem": (args.rollout_mem > 0, "> 0")}
+              "reward_timeout": (args.reward_timeout > 0, "> 0"), "rollout_mem": (args.rollout_mem >= 0, ">= 0")}
     for name, (ok, allowed) in checks.items():
         if not ok:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be {allowed}")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return args
 
 
@@ -236,11 +240,12 @@ def main(args) -> dict:
         policy, tokenizer = model_lib.load(args.model, args.dtype, args.device)
         max_pos = policy.config.max_position_embeddings
     longest = max(len(data.encode_prompt(tokenizer, r["prompt"])) for r in rows)
-    if longest + args.max_response_len > max_pos:
-        print(f"warning: prompt ({longest}) + --max-response-len ({args.max_response_len}) exceeds the model's "
-              f"{max_pos} positions", flush=True)
+    if longest + args.max_response_len > max_pos:  # an error, not a silently shorter engine
+        raise ValueError(f"the longest prompt ({longest} tokens) + --max-response-len {args.max_response_len} is more "
+                         f"than the {max_pos} positions --model {args.model} takes: a shorter --max-response-len, or "
+                         f"a model with YaRN in its config.json")
     engine = engine_lib.make_engine(args.engine, policy, tokenizer, args.seed, path=args.model,
-                                    max_model_len=min(longest + args.max_response_len, max_pos),
+                                    max_model_len=longest + args.max_response_len,
                                     mem=args.rollout_mem, device=args.device, dtype=args.dtype)
     sampling = Sampling(args.temperature, args.top_p, args.top_k)
     summary, per_problem, reward_metrics = evaluate(engine, tokenizer, rows, args.k, args.max_response_len, sampling,
@@ -258,4 +263,7 @@ def main(args) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    try:
+        main(parse_args())
+    except (ValueError, FileNotFoundError) as e:  # a user's mistake (a flag, a file, a model too short): the message says it
+        sys.exit(f"error: {e}")

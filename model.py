@@ -355,16 +355,13 @@ def wrap(lm, parallel: str, trainable: bool = True, compute_dtype: torch.dtype |
     the root (embeddings, final norm, lm_head), so a forward holds one layer's full weights at a time;
     gradients are reduce-scattered (averaged). A frozen model (the reference) is sharded the same way under
     fsdp. compute_dtype (bf16 runs): under fsdp the fp32 shards are the master weights and each forward
-    computes in this dtype (FSDP2's MixedPrecisionPolicy); under ddp the module already computes in it
-    (MasterWeights keeps the fp32 copy) and its gradients are all-reduced in fp32, as FSDP2 reduces them."""
+    computes in this dtype (FSDP2's MixedPrecisionPolicy); under ddp the module already computes in it and
+    MasterWeights keeps the fp32 copy, adds up its gradients and reduces them (in fp32, as FSDP2 does)."""
     policy = Policy(lm)
     if parallel == "none" or (parallel == "ddp" and not trainable):
         return policy
     if parallel == "ddp":
-        ddp = torch.nn.parallel.DistributedDataParallel(policy)
-        if compute_dtype is not None:
-            ddp.register_comm_hook(None, _fp32_all_reduce)
-        return ddp
+        return torch.nn.parallel.DistributedDataParallel(policy)
     if parallel == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype \
@@ -373,13 +370,6 @@ def wrap(lm, parallel: str, trainable: bool = True, compute_dtype: torch.dtype |
             fully_shard(layer, mp_policy=mp)
         return fully_shard(policy, mp_policy=mp)
     raise ValueError(f"--parallel must be fsdp or ddp, got {parallel!r}")
-
-
-def _fp32_all_reduce(state, bucket):
-    """A DDP communication hook: a bucket of bf16 gradients averaged over the ranks in fp32, then rounded once."""
-    grads = bucket.buffer()
-    total = grads.float().div_(dist.get_world_size())
-    return dist.all_reduce(total, async_op=True).get_future().then(lambda fut: grads.copy_(fut.value()[0]))
 
 
 class MasterWeights:
@@ -400,10 +390,26 @@ class MasterWeights:
         return [m for _, m in self.pairs]
 
     def take_grads(self) -> None:
-        """The module's gradients onto the masters, in fp32 (the module's are freed)."""
+        """The module's gradients (one micro-batch's) added to the masters' in fp32, and freed: summed in bf16
+        over hundreds of micro-batches they would lose ~2% (FSDP2 adds them up in fp32 too)."""
         for p, m in self.pairs:
-            m.grad = None if p.grad is None else p.grad.float()
-            p.grad = None
+            if p.grad is not None:
+                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                p.grad = None
+
+    def reduce_grads(self) -> None:
+        """Under DDP (which the optimizer step's backwards skip, no_sync) the masters' gradients averaged over
+        the trainer ranks, in fp32, in one all-reduce."""
+        if world() == 1:
+            return
+        for m in self.parameters():  # one the rank's batch never reached (an expert no token chose) counts 0
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+        grads = [m.grad for m in self.parameters()]
+        flat = torch.cat([g.flatten() for g in grads]).div_(world())
+        dist.all_reduce(flat)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
@@ -496,7 +502,7 @@ def gather_objects(obj) -> list:
     if world() == 1:
         return [obj]
     out = [None] * world()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_lead_group)  # a checkpoint's digests: after rank 0's writing
     return out
 
 

@@ -1,6 +1,6 @@
 """ulorl's entry point: RL with verifiable rewards on ultra-long outputs (UloRL + ProRL's KL control).
 
-    python train.py                                   # tiny built-in model + task, CPU, a few minutes
+    python train.py                                   # tiny built-in model + task: minutes on a laptop CPU
     python train.py --preset ulorl --model Qwen/Qwen3-4B --data dapo.parquet --out runs/q4b
     python train.py --help                            # every knob, with the paper it comes from
     torchrun --standalone --nproc-per-node 2 train.py --parallel fsdp   # trainer ranks: FSDP2 (or ddp)
@@ -115,10 +115,11 @@ def memory_plan(cfg: Config, world: int, config) -> plan_lib.Plan:
     return plan_lib.make_plan(plan_lib.Shape.of(config), cfg, world, cfg.rollout_tp or 1, vllm)
 
 
-def placement_line(cfg: Config, world: int, mem: float) -> str:
+def placement_line(cfg: Config, world: int, local_ranks: int, mem: float) -> str:
     """The startup line that says where everything runs."""
     ranks = f"{world} trainer rank{'s' if world > 1 else ''}"
-    where = cfg.device if world == 1 or not cfg.device.startswith("cuda") else f"cuda:0-{world - 1} of each node"
+    where = cfg.device if world == 1 or not cfg.device.startswith("cuda") else \
+        f"cuda:0-{local_ranks - 1}" + (" of each node" if world > local_ranks else "")
     compute = f"{cfg.dtype} over fp32 master weights" if cfg.dtype != "float32" else "float32"
     kind = engine_kind(cfg.engine, cfg.device)
     if kind == "hf":
@@ -361,7 +362,7 @@ def main(cfg: Config, engine_hook=None) -> None:
     engine_mem = plan_lib.engine_memory(plan, cfg, capacity)
     if lead:
         print(json.dumps(dataclasses.asdict(cfg)), flush=True)
-        print(placement_line(cfg, world, engine_mem), flush=True)
+        print(placement_line(cfg, world, local_ranks, engine_mem), flush=True)
     if why := plan_lib.problems(plan, cfg, capacity, colocated=not cfg.rollout_gpus):
         raise ValueError("the run cannot fit (python train.py ... --plan shows the items):\n  " + "\n  ".join(why))
     os.umask(0o077)  # what the run writes is its own: checkpoints and samples hold the data's answers

@@ -177,7 +177,7 @@ def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg) -> tu
                 stats["diff_n"] += d.numel()
                 # KL(engine || trainer) per token, k3 on the engine's own samples: unbiased, never negative
                 stats["kl_sum"] += (d.clamp(max=30).exp() - 1 - d).sum().item()
-                hist += torch.histc(d.abs().clamp(min=1e-12).log10().cpu(), GAP_BINS[2], *GAP_BINS[:2])
+                hist += torch.histc(d.abs().clamp(1e-12, 99.0).log10().cpu(), GAP_BINS[2], *GAP_BINS[:2])
     return stats, diff_max, hist
 
 
@@ -208,14 +208,16 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg,
         denom = model_lib.all_sum({"n": local})["n"]
         opt.zero_grad(set_to_none=True)
         finite = True
-        for i, mb in enumerate(mbs):
-            with model_lib.grad_sync(policy, last=i == len(mbs) - 1):
+        for i, mb in enumerate(mbs):  # (bf16 outside FSDP: the masters add up and reduce the gradients in fp32)
+            with model_lib.grad_sync(policy, last=i == len(mbs) - 1 and masters is None):
                 logprobs, _ = policy(mb, cfg.temperature)
                 loss, loss_metrics = policy_loss(
                     logprobs, mb.old, mb.adv, mb.loss_mask, pg_mask=mb.pg_mask, eps_low=cfg.eps_low,
                     eps_high=cfg.eps_high, clip_ratio_c=cfg.clip_ratio_c, ref_logprobs=mb.ref, kl_coef=cfg.kl_coef,
                     agg=cfg.agg, denom=denom, tis_cap=cfg.tis_cap or None, behaviour_logprobs=mb.behaviour)
                 (loss * model_lib.world()).backward()
+            if masters is not None:
+                masters.take_grads()
             finite &= bool(torch.isfinite(loss))
             if mb.empty:
                 continue
@@ -226,7 +228,7 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg,
                 weight = 1 if k == "loss/policy" else (mb.loss_mask if k == "loss/kl" else mb.pg_mask).sum().item()
                 totals[k] = totals.get(k, 0.0) + v * weight
         if masters is not None:
-            masters.take_grads()
+            masters.reduce_grads()
         grad_norm = model_lib.full_tensor(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         if not (model_lib.all_true(finite) and torch.isfinite(grad_norm)):
             opt.zero_grad(set_to_none=True)

@@ -13,6 +13,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: a test that tries fails at once instead of hanging
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU only, on any machine: --device auto would take a GPU
 
 
 def kill_group(proc: subprocess.Popen) -> None:

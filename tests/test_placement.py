@@ -43,8 +43,11 @@ def test_placement_refusals_and_explicit_gpus():
         engine_placement(gpu_cfg(), 8, 8, 32, 4, vllm=True)
     assert engine_placement(gpu_cfg("--rollout-gpus", "6,7"), 8, 6, 32, 4, vllm=True) == ([6, 7], 2)
     assert engine_placement(gpu_cfg("--rollout-gpus", "2"), 8, 6, 32, 4, vllm=True) == ([6, 7], 2)
-    with pytest.raises(ValueError, match=r"trainer process\(es\) of this machine use cuda:0..6"):
+    with pytest.raises(ValueError, match=r"trainer process\(es\) use cuda:0, .*, cuda:6; leave those to training"):
         engine_placement(gpu_cfg("--rollout-gpus", "6,7"), 8, 7, 32, 4, vllm=True)
+    third = gpu_cfg()
+    third.device = "cuda:3"  # one process on GPU 3: the engine takes free ones, never the trainer's
+    assert engine_placement(third, 8, 1, 32, 4, vllm=True) == ([0, 1, 2, 4], 4)
     with pytest.raises(ValueError, match=r"cannot split 32 attention heads \(4 KV heads\) over 3 GPUs; give 1 or 2"):
         engine_placement(gpu_cfg("--rollout-gpus", "5,6,7"), 8, 5, 32, 4, vllm=True)
     assert engine_placement(gpu_cfg(), 8, 6, 32, 4, vllm=False) == ([], 1)  # the transformers engine: rank 0

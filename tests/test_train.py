@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import run
+from conftest import hub_cache, run
 import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,21 +141,16 @@ def test_reset_without_kl_warns_that_it_resets_only_the_optimizer(capsys):
 def test_a_hub_name_loads_from_the_local_cache_offline(tmp_path):
     """--model ORG/NAME as every peer takes it: here from a fresh Hugging Face cache holding the tiny model
     under a hub-style name, offline (HF_HUB_OFFLINE=1), through transformers and (when installed) vLLM."""
-    import shutil
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hf" / "hub" / "models--ulorl-test--tiny-qwen3"
-    shutil.copytree(os.path.join(ROOT, "tiny_ckpt"), repo / "snapshots" / commit)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, **hub_cache(tmp_path / "hf", "ulorl-test/tiny-qwen3", os.path.join(ROOT, "tiny_ckpt")),
+               OMP_NUM_THREADS="1")
     engines = ["hf", "vllm"] if __import__("importlib").util.find_spec("vllm") else ["hf"]
-    for engine in engines:
-        p = run([sys.executable, "train.py", "--model", "ulorl-test/tiny-qwen3", "--engine", engine,
+    for engine in engines:  # --preset tiny: a hub name alone would take UloRL's settings
+        p = run([sys.executable, "train.py", "--preset", "tiny", "--model", "ulorl-test/tiny-qwen3", "--engine", engine,
                 "--steps", "1", "--eval-n", "8", "--out", str(tmp_path / engine)], cwd=ROOT,
                 timeout=600, env=env)
         assert p.returncode == 0, p.stderr[-3000:]
         assert os.path.exists(tmp_path / engine / "step_000001" / "model.safetensors")
-    p = run([sys.executable, "train.py", "--model", "ulorl-test/not-there", "--data", "tiny", "--out", str(tmp_path / "x")],
+    p = run([sys.executable, "train.py", "--preset", "tiny", "--model", "ulorl-test/not-there", "--out", str(tmp_path / "x")],
             cwd=ROOT, timeout=300, env=env)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "--model ulorl-test/not-there: neither a local directory nor a model" in p.stderr

@@ -21,7 +21,7 @@ def test_mixed_math_and_reasoning_gym_run(tmp_path):
                                  for r in tiny.make_rows(40, seed=1)))
     out = tmp_path / "run"
     cmd = [sys.executable, "train.py", "--data", f"{math_file}@0.5,rg:chain_sum:40@0.5", "--steps", "2",
-           "--eval-data", "", "--dynamic-sampling", "false", "--out", str(out), "--max-prompt-len", "200",
+           "--eval-data", "", "--dynamic-sampling", "false", "--out", str(out), "--max-prompt-len", "192",
            "--max-response-len", "24", "--segments", "1", "--prompts-per-step", "4", "--group-size", "2",
            "--train-groups", "4", "--engine", "hf"]
     p = run(cmd, cwd=ROOT, timeout=300,

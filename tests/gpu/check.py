@@ -92,7 +92,7 @@ def placement(n: int) -> tuple[str, int, list[str]]:
 
 def train_flags(model: str, data: str, out: str) -> list[str]:
     """train.py's flags past the placement: the ulorl preset at small size, every value the run depends on
-    given (a hub name may soon imply the preset's values). The gap flags and --rollout-mem are left to their
+    given (a hub name alone implies the preset). The gap flags and --rollout-mem are left to their
     defaults on purpose: the check is of those."""
     return ["--preset", "ulorl", "--model", HUB[model], "--engine", "vllm", "--device", "cuda", "--dtype", "bfloat16",
             "--data", data, "--prompt-key", "prompt", "--answer-key", "answer", "--default-verifier", "ifeval",
