@@ -21,6 +21,8 @@ b = 4: a bf16 run keeps fp32 master weights in every mode, and c = bytes of the 
                           (packed: L = T); flash attention keeps none
   lm_head                 512 positions at a time: 4 x [512, V] fp32 (logits, log-softmax, probabilities,
                           their gradient)
+Per trainer process's host: the rollout's records (ids, log-probs, versions: HOST_BYTES_PER_TOKEN a token) of
+every sample in flight at full length on rank 0, and the step's batch, pickled and unpickled, on every rank.
 Per engine GPU (vLLM, tensor-parallel over --rollout-tp): its weights / tp, and the KV cache of one sample
 and of the whole rollout batch (--prompts-per-step x --group-size samples) at full context (--max-prompt-len
 + --max-response-len). Weights and one sample must fit; vLLM queues the samples its KV cache cannot hold,
@@ -31,10 +33,15 @@ A decoder layer's activations: its inputs and norms (~8 H), q/k/v and their norm
 Mixture-of-Experts layer 4 K Im for the K experts each token visits, plus the routed copies of the hidden
 states, 2 K H): in the compute dtype; and one layer's worth again for the gradients the backward holds.
 """
+import dataclasses
 import os
 from dataclasses import dataclass
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# A sample's token on the host: its id (a Python int in a list, 36 bytes), behaviour log-prob (a float, 32) and
+# policy version (8), ~80 bytes with the lists' slack (tracemalloc, 200k tokens); pickled for the step's
+# broadcast, ~15 (tests/test_plan.py measures both)
+HOST_BYTES_PER_TOKEN, PICKLED_BYTES_PER_TOKEN = 80, 15
 GIB = 2**30
 
 
@@ -89,9 +96,10 @@ class Shape:
 
 @dataclass
 class Plan:
-    """Bytes per trainer rank and per engine GPU, item by item."""
+    """Bytes per trainer rank and per engine GPU, and host memory per trainer process, item by item."""
     trainer: dict
     engine: dict
+    host: dict = dataclasses.field(default_factory=dict)
 
     @property
     def trainer_total(self) -> int:
@@ -116,6 +124,9 @@ class Plan:
             lines += [f"  {k:<30}{v / GIB:9.3f} GiB" for k, v in self.engine.items()]
             lines.append(f"  {'needed (weights, 1 sample)':<30}{self.engine_minimum / GIB:9.3f} GiB")
             lines.append(f"  {'all samples at once':<30}{self.engine_total / GIB:9.3f} GiB")
+        if self.host:
+            lines.append("host memory per trainer process (not the GPU's):")
+            lines += [f"  {k:<30}{v / GIB:9.3f} GiB" for k, v in self.host.items()]
         return "\n".join(lines)
 
 
@@ -155,7 +166,13 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
         trainer["rollout KV cache (rank 0)"] = kv_per_slot * max(slots, min(256, cfg.eval_n) if cfg.eval_data else 0)
         if world > 1:
             trainer["rollout model copy (rank 0)"] = P * c
-    return Plan(trainer, engine)
+    # the rollout's records live in Python lists on the host: rank 0 holds every sample in flight at full length
+    # at worst, and every rank the step's batch (the broadcast's pickle, then the samples it unpickles)
+    full = cfg.max_prompt_len + cfg.max_response_len
+    batch = cfg.train_groups * cfg.group_size * full
+    host = {"rollout records (rank 0)": slots * full * HOST_BYTES_PER_TOKEN,
+            "the step's batch (every rank)": batch * (HOST_BYTES_PER_TOKEN + PICKLED_BYTES_PER_TOKEN)}
+    return Plan(trainer, engine, host)
 
 
 def device_bytes(device: str, stated_gb: float = 0.0) -> int | None:

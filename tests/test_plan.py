@@ -168,3 +168,21 @@ if __name__ == "__main__":  # one rank of test_sharded_loading_gives_the_pretrai
     if dist.get_rank() == 0:
         print("equal")
     dist.destroy_process_group()
+
+
+def test_host_bytes_per_token_are_what_a_sample_holds():
+    """The plan's host items count HOST_BYTES_PER_TOKEN a token for a sample's lists and PICKLED_BYTES_PER_TOKEN
+    for the step's broadcast: measured on a 200k-token sample of a 151,936-token vocabulary (Qwen3's)."""
+    import pickle
+    import tracemalloc
+    from segment_rollout import Sample
+    n = 200_000
+    tracemalloc.start()
+    try:
+        sample = Sample(uid=0, group=0, prompt_ids=[1], row={}, tokens=torch.randint(0, 151936, (n,)).tolist(),
+                        logprobs=torch.randn(n).tolist(), versions=[7] * n)
+        held = tracemalloc.get_traced_memory()[0] / n
+    finally:
+        tracemalloc.stop()
+    assert abs(held / plan_lib.HOST_BYTES_PER_TOKEN - 1) < 0.25, held
+    assert abs(len(pickle.dumps(sample)) / n / plan_lib.PICKLED_BYTES_PER_TOKEN - 1) < 0.25
