@@ -237,8 +237,9 @@ def rollout_engine(cfg: Config, lm, tokenizer, path: str, world: int, mem: float
     if kind == "hf" and world > 1:  # the trainer's module is sharded: the engine samples with a whole copy
         lm = model_lib.load(path, cfg.dtype, cfg.device, False, cfg.rope_scaling_factor,
                             cfg.rope_original_max_positions, cfg.attn_implementation)[0]
-    return make_engine(kind, lm, tokenizer, cfg.seed, path=path, max_model_len=cfg.max_prompt_len + cfg.max_response_len,
-                       mem=mem, device=cfg.device, dtype=cfg.dtype,
+    return make_engine(kind, lm, tokenizer, cfg.seed, path=path,
+                       max_model_len=cfg.max_prompt_len + cfg.max_response_len, mem=mem, device=cfg.device,
+                       dtype=cfg.dtype,
                        hf_overrides=model_lib.yarn_overrides(lm.config, cfg.rope_scaling_factor,
                                                              cfg.rope_original_max_positions),
                        own_process=world > 1, gpus=gpus, tp=cfg.rollout_tp or 1)

@@ -257,14 +257,16 @@ def engine_gap_check(kl: float, diff_max: float, cfg, recent: list) -> None:
     model and the dtype (fp32 ~1e-12, the tiny model in bf16 ~3e-5, reports on 8-30B models in bf16 ~1e-3), so
     two tests: past --engine-kl-jump times the median of the last KL_HISTORY steps, or KL_FLOOR when that is
     less (an engine that stopped following the trainer; a fresh run has no history, and its first rollout
-    comes from the weights both loaded), or past --max-engine-kl whatever the history. `recent` is that history; this step's value joins it."""
+    comes from the weights both loaded), or past --max-engine-kl whatever the history. `recent` is that history;
+    this step's value joins it."""
     baseline = max(sorted(recent)[len(recent) // 2], KL_FLOOR) if recent else None
     why = None
     if cfg.max_engine_kl and kl > cfg.max_engine_kl:
         why = f"past --max-engine-kl {cfg.max_engine_kl}: its weights or kernels are wrong"
     elif cfg.engine_kl_jump and baseline and kl > cfg.engine_kl_jump * baseline:
-        why = (f"{kl / baseline:.0f}x the median of the last {len(recent)} steps (or {KL_FLOOR:g}: {baseline:.3g}), past "
-               f"--engine-kl-jump {cfg.engine_kl_jump}: the engine is stale (a weight sync that did not land?)")
+        why = (f"{kl / baseline:.0f}x the median of the last {len(recent)} steps (at least {KL_FLOOR:g}: "
+               f"{baseline:.3g}), past --engine-kl-jump {cfg.engine_kl_jump}: the engine is stale (a weight sync "
+               f"that did not land?)")
     recent[:] = (recent + [kl])[-KL_HISTORY:]
     if why is None:
         return
@@ -285,14 +287,13 @@ def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: in
     samples = [s for g in groups for s in g]
     minis = plan_micro_batches(samples, sample_advantages(groups), pad_id, cfg)
     stats, diff_max, gap_hist = prepare(policy, ref, minis, version, cfg)
-    diff_max, gap_hist = model_lib.all_max(diff_max), model_lib.all_sum_tensor(gap_hist)
-    fresh = model_lib.all_sum({k: stats[k] for k in ("diff_n", "kl_sum")})
-    engine_kl = fresh["kl_sum"] / fresh["diff_n"] if fresh["diff_n"] else None
+    stats, diff_max = model_lib.all_sum(stats), model_lib.all_max(diff_max)  # every rank's, before the check
+    gap_hist = model_lib.all_sum_tensor(gap_hist)
+    engine_kl = stats["kl_sum"] / stats["diff_n"] if stats["diff_n"] else None
     if engine_kl is not None:
         engine_gap_check(engine_kl, diff_max, cfg, [] if recent_kl is None else recent_kl)
     totals, ratio_max, skipped, grad_norm = optimize(policy, opt, sched, minis, cfg, masters)
-    totals = model_lib.all_sum({**totals, **stats})
-    stats = {k: totals.pop(k) for k in list(stats)}
+    totals = model_lib.all_sum(totals)
     pg_tokens, loss_tokens = max(stats["pg_tokens"], 1), max(stats["loss_tokens"], 1)
     ratio_max = model_lib.all_max(ratio_max)
     out = {k: v / len(minis) if k == "loss/policy" else v / (loss_tokens if k == "loss/kl" else pg_tokens)
