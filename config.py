@@ -78,6 +78,16 @@ class Config:
     parallel: str = flag("fsdp", "under torchrun: fsdp (FSDP2: each decoder layer, then the root, sharded over "
                                  "the trainer ranks) or ddp (a full copy per rank)",
                          choices=["fsdp", "ddp"])
+    sp: int = flag(1, "Ulysses sequence parallelism under torchrun: each packed micro-batch is split over this many "
+                      "trainer ranks for everything but attention, which trades the split for one over heads "
+                      "(all-to-all); activations per rank / N. Divides the trainer ranks and the attention heads; "
+                      "needs --pack. 0 = auto: the least the memory plan fits (the ulorl preset)",
+                   ok=at_least(0))
+    offload_optimizer: str = flag("false", "under FSDP: the fp32 master weights, their gradients and the AdamW "
+                                           "moments live in host memory and AdamW steps there (FSDP2's "
+                                           "CPUOffloadPolicy): 16 bytes a parameter off each GPU, paid in host "
+                                           "memory and transfers; auto: only when the memory plan needs it",
+                                  choices=["false", "true", "auto"])
     dist_timeout: float = flag(1800.0, "seconds a collective of the trainer ranks' own (the update's gathers and "
                                        "reductions) may wait before the run ends (NCCL's watchdog: 600 by default). "
                                        "Waiting for rank 0's rollout, evaluation or checkpoint is not bounded by it",
@@ -131,10 +141,12 @@ class Config:
     pack: bool = flag(False, "pack micro-batches: sequences back to back in one row, positions restarting, no "
                              "attention across them; same loss as padding. Pays off with --attn-implementation "
                              "flash_attention_2; with sdpa/eager the row gets a dense [L, L] mask (slower on CPU)")
-    attn_implementation: str = flag("sdpa", "the trainer's attention kernel: sdpa, eager, or flash_attention_2 "
-                                            "(GPU, needs the flash-attn package; the one for --pack)",
-                                     choices=["sdpa", "eager", "flash_attention_2", "flash_attention_3",
-                                              "flex_attention"])
+    attn_implementation: str = flag("auto", "the trainer's attention kernel: varlen (torch's FlashAttention kernels "
+                                            "for packed rows: GPU, bf16/fp16, --pack; no [L, L] scores), sdpa (on "
+                                            "CPU; a packed row gets an [L, L] mask), eager, flash_attention_2 (needs "
+                                            "the flash-attn package); auto: varlen where it runs, else sdpa",
+                                     choices=["auto", "varlen", "sdpa", "eager", "flash_attention_2",
+                                              "flash_attention_3", "flex_attention"])
     gradient_checkpointing: bool = flag(False, "recompute each decoder layer in the backward: less activation "
                                                "memory for long sequences, ~1/3 more compute")
     lr: float = flag(3e-4, "AdamW learning rate after warm-up (UloRL 1e-6, ProRL 2e-6)",
@@ -248,13 +260,14 @@ PRESETS = {
                   segments=8, max_response_len=131072, max_prompt_len=2048, temperature=0.85, train_groups=128,
                   mini_batch=1024, lr=1e-6, lr_final=1.0, eps_low=0.2, eps_high=0.2, is_mode="pois", mpt="dynamic",
                   mpt_tau=0.99, mpt_sigma=0.2, kl_coef=0.0, overlong="zero", max_tokens_per_micro_batch=65536,
-                  gradient_checkpointing=True, rope_scaling_factor=4.0625, rope_original_max_positions=32768,
+                  gradient_checkpointing=True, pack=True, sp=0, offload_optimizer="auto",
+                  rope_scaling_factor=4.0625, rope_original_max_positions=32768,
                   eval_every=10, eval_n=30, save_every=10, dump_samples=16, data="", eval_data=""),
     "prorl": dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", dtype="bfloat16", device="cuda",
                   group_size=16, prompts_per_step=256, segments=1, max_response_len=8192, max_prompt_len=2048,
                   temperature=1.2, train_groups=256, mini_batch=1024, lr=2e-6, lr_final=1.0, eps_low=0.2, eps_high=0.4,
                   mpt="off", kl_coef=1e-4, ref_reset_every=500, overlong="zero",
-                  max_tokens_per_micro_batch=32768, gradient_checkpointing=True, eval_every=50, eval_n=256,
+                  max_tokens_per_micro_batch=32768, gradient_checkpointing=True, pack=True, eval_every=50, eval_n=256,
                   save_every=50, dump_samples=16, data="", eval_data=""),
 }
 
@@ -285,6 +298,9 @@ def parse_config(argv=None, description: str = __doc__) -> Config:
     if cfg.device == "auto":  # a GPU for each of this machine's trainer processes, or the CPU
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         cfg.device = "cuda" if gpus and gpus >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) else "cpu"
+    if cfg.attn_implementation == "auto":  # FlashAttention's packed kernels where they run
+        cfg.attn_implementation = "varlen" if cfg.device.startswith("cuda") and cfg.pack and cfg.dtype != "float32" \
+            else "sdpa"
     for f in dataclasses.fields(cfg):
         name, value, ok = "--" + f.name.replace("_", "-"), getattr(cfg, f.name), f.metadata["ok"]
         if isinstance(value, float) and not math.isfinite(value):
@@ -344,6 +360,16 @@ def config_problems(cfg: Config) -> list[str]:
     if cfg.ref_reset_on_stall and not (cfg.eval_data and cfg.eval_every):
         out.append(f"--ref-reset-on-stall {cfg.ref_reset_on_stall} counts held-out evaluations: give --eval-data and "
                    f"--eval-every > 0")
+    if cfg.sp != 1 and not cfg.pack:
+        out.append(f"--sp {cfg.sp}: sequence parallelism splits packed rows; add --pack true")
+    if cfg.sp != 1 and cfg.attn_implementation not in ("sdpa", "varlen"):
+        out.append(f"--sp {cfg.sp} with --attn-implementation {cfg.attn_implementation}: sequence parallelism runs "
+                   f"varlen (GPU) or sdpa (CPU) between its all-to-alls")
+    if cfg.attn_implementation == "varlen" and (cfg.dtype == "float32" or not cfg.pack or
+                                                not cfg.device.startswith("cuda")):
+        out.append(f"--attn-implementation varlen: FlashAttention's kernels take packed rows (--pack true) in bf16 or "
+                   f"fp16 on a GPU (here --pack {str(cfg.pack).lower()}, --dtype {cfg.dtype}, --device {cfg.device}); "
+                   f"sdpa runs everywhere")
     if cfg.rollout_tp and not cfg.rollout_gpus:
         out.append(f"--rollout-tp {cfg.rollout_tp}: tensor parallelism is over --rollout-gpus; give those")
     return out

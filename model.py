@@ -5,6 +5,7 @@ wrapping and the few collectives the update needs, gathering full weights, and H
 """
 import contextlib
 import copy
+import functools
 import hashlib
 import itertools
 import json
@@ -114,23 +115,25 @@ def params_on_meta():
 
 def load_sharded(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradient_checkpointing: bool = False,
                  rope_scaling_factor: float = 0.0, rope_original_max_positions: int = 0,
-                 attn_implementation: str = "sdpa", trainable: bool = True, compute_dtype: torch.dtype | None = None):
+                 attn_implementation: str = "sdpa", trainable: bool = True, compute_dtype: torch.dtype | None = None,
+                 offload: bool = False):
     """(wrapped module, model, tokenizer) under FSDP2 without any rank holding the whole model: built on the
     meta device, sharded (wrap), then each rank allocates its shards and fills them from the checkpoint's
     safetensors, read a decoder layer at a time (fill_shards). Peak memory per rank: its shards + one layer.
-    compute_dtype: the shards (`dtype`) are master weights, and every forward computes in this dtype (wrap)."""
+    compute_dtype: the shards (`dtype`) are master weights, and every forward computes in this dtype (wrap).
+    offload: the shards live in host memory (wrap); the buffers (rotary frequencies) on `device`."""
     tokenizer, config = load_config(name_or_path, rope_scaling_factor, rope_original_max_positions)
     with params_on_meta():
         lm = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
     lm.eval().requires_grad_(trainable)  # as from_pretrained leaves it (a frozen reference: no gradients)
     if gradient_checkpointing:
         lm.gradient_checkpointing_enable()
-    policy = wrap(lm, "fsdp", trainable=trainable, compute_dtype=compute_dtype)
+    policy = wrap(lm, "fsdp", trainable=trainable, compute_dtype=compute_dtype, offload=offload)
     buffers = {name: b.clone() for name, b in lm.named_buffers()}
-    policy.to_empty(device=device)  # to_empty also empties the buffers: put them back
-    with torch.no_grad():
-        for name, b in lm.named_buffers():
-            b.copy_(buffers[name])
+    policy.to_empty(device="cpu" if offload else device)  # to_empty also empties the buffers: put them back
+    for name, b in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        lm.get_submodule(owner)._buffers[leaf] = b.to(device)
     fill_shards(lm, local_checkpoint(name_or_path))
     return policy, lm, tokenizer
 
@@ -324,14 +327,203 @@ def response_logprobs(model, mb: MicroBatch, temperature: float) -> tuple[torch.
     """Log-prob and entropy of every response token of a micro-batch (packed or padded), as [b, T] (0 on
     padding). Only the N real response positions go through the lm_head, in chunks (loss.token_logprobs).
     use_cache=False matters for packed rows: with a KV cache transformers skips the packed-sequence mask and
-    every sequence would attend to those before it in the row."""
-    hidden = model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                 position_ids=mb.position_ids, use_cache=False).last_hidden_state
-    h = hidden[mb.rows, mb.cols]  # [N, H]: the positions that predict response tokens
-    lp, ent = loss.token_logprobs(h, model.get_output_embeddings().weight, mb.targets, temperature)
+    every sequence would attend to those before it in the row. Under sequence parallelism (--sp) this rank
+    runs the decoder on its slice of the packed row only (sequence_slice) and computes the response tokens
+    that fall in it; the others' are summed in from the group, so every rank of it returns the whole [b, T]."""
+    ids, pos, extra = mb.input_ids, mb.position_ids, {}
+    if model.config._attn_implementation in PACKED_KERNELS and pos is not None:
+        ids, pos, lo, extra = sequence_slice(ids, pos)
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mb.attention_mask, position_ids=pos, use_cache=False,
+                                 **extra).last_hidden_state
+    rows, cols, targets, mine = mb.rows, mb.cols, mb.targets, None
+    if extra.get("sp_group") is not None:  # the response tokens predicted from this rank's slice
+        mine = (cols >= lo) & (cols < lo + ids.shape[1])
+        rows, cols, targets = rows[mine], cols[mine] - lo, targets[mine]
+    h = hidden[rows, cols]  # [N, H]: the positions that predict response tokens
+    lp, ent = loss.token_logprobs(h, model.get_output_embeddings().weight, targets, temperature)
+    if mine is not None:  # this rank's tokens in place, 0 elsewhere; summed over the group
+        lp = torch.zeros(mine.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mine, lp)
+        ent = torch.zeros(mine.shape, dtype=ent.dtype, device=ent.device).masked_scatter(mine, ent)
+        lp, ent = _SumOverGroup.apply(lp, _sp_group), _SumOverGroup.apply(ent, _sp_group)
     out_lp = torch.zeros(mb.resp_mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mb.resp_mask, lp)
     out_ent = torch.zeros(mb.resp_mask.shape, dtype=ent.dtype, device=ent.device).masked_scatter(mb.resp_mask, ent)
     return out_lp, out_ent
+
+
+# --------------------------------------------------------- packed attention and sequence parallelism
+#
+# Ulysses sequence parallelism (DeepSpeed-Ulysses; verl's ulysses_sequence_parallel_size), --sp N: the N
+# ranks of a sequence-parallel group train the same micro-batches, each on a contiguous 1/N of the packed
+# row, so activations, MLPs (experts included) and the lm_head take 1/N of the memory and work. Attention
+# needs every earlier token: around its kernel an all-to-all trades the sequence split for a head split
+# (each rank then attends over the whole row with 1/N of the heads), and a second one trades back. The
+# all-to-all's gradient is the same all-to-all backwards, so the backward needs nothing more. FSDP2 shards
+# over all ranks as before: N ranks hold one group's micro-batch, and the data is split over world / N groups.
+#
+# The kernels run on the packed row's sequence boundaries (cu_seqlens), never an [L, L] mask on a GPU: torch's
+# varlen_attn (FlashAttention kernels for packed sequences, CUDA, bf16/fp16) or, on CPU, sdpa with a
+# block-diagonal causal mask. They are registered under names of their own, so that only the trainer's
+# module uses them: rank 0's engine copy and the reference of other runs keep "sdpa". Called without
+# cu_seqlens (generation with a KV cache, padded rows) they are transformers' sdpa.
+
+_sp_group = None  # this rank's sequence-parallel group; None: --sp 1
+
+
+def init_sequence_parallel(size: int) -> None:
+    """Groups of `size` consecutive trainer ranks (every rank makes every group, as torch requires)."""
+    global _sp_group
+    if size <= 1:
+        return
+    if world() % size:
+        raise ValueError(f"--sp {size}: must divide the {world()} trainer ranks")
+    for first in range(0, world(), size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= rank() < first + size:
+            _sp_group = group
+
+
+def sp_size() -> int:
+    return dist.get_world_size(_sp_group) if _sp_group is not None else 1
+
+
+def data_rank() -> int:
+    """Which share of the batch this rank trains: ranks of one sequence-parallel group share one."""
+    return rank() // sp_size()
+
+
+def data_world() -> int:
+    return world() // sp_size()
+
+
+def counts() -> bool:
+    """Whether this rank's tokens count in sums over ranks (token counts, metrics): the first rank of its
+    sequence-parallel group; the others hold the same micro-batches and would count them again."""
+    return _sp_group is None or dist.get_rank(_sp_group) == 0
+
+
+def sequence_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens, longest) of a packed row [1, L]: where each sequence starts (its position is 0), and L."""
+    starts = (position_ids[0] == 0).nonzero().flatten()
+    cu = torch.cat([starts, starts.new_tensor([position_ids.shape[1]])]).to(torch.int32)
+    return cu, int(cu.diff().max())
+
+
+def sequence_slice(ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, dict]:
+    """(this rank's input_ids, position_ids, its first column, the attention's arguments) of a packed row. Under
+    --sp N the row is padded to a multiple of N (a last sequence of padding, attending only to itself) and cut
+    in N; the attention's arguments are the whole row's sequence boundaries and the group."""
+    n = sp_size()
+    pad = -ids.shape[1] % n
+    if pad:
+        ids = torch.cat([ids, ids.new_zeros(1, pad)], 1)
+        pos = torch.cat([pos, torch.arange(pad, device=pos.device)[None]], 1)
+    cu, longest = sequence_bounds(pos)
+    extra = {"cu_seqlens": cu, "max_seqlen": longest}
+    if n == 1:
+        return ids, pos, 0, extra
+    width = ids.shape[1] // n
+    lo = dist.get_rank(_sp_group) * width
+    return ids[:, lo:lo + width], pos[:, lo:lo + width], lo, {**extra, "sp_group": _sp_group}
+
+
+def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group) -> torch.Tensor:
+    """x cut in N along split_dim, piece j to rank j; the pieces received joined along cat_dim in rank order."""
+    n = dist.get_world_size(group)
+    send = torch.stack([t.contiguous() for t in x.chunk(n, split_dim)])
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), cat_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """_all_to_all with its gradient: the gradient of each piece goes back to the rank it came from."""
+
+    @staticmethod
+    def forward(ctx, x, split_dim, cat_dim, group):
+        ctx.dims, ctx.group = (split_dim, cat_dim), group
+        return _all_to_all(x, split_dim, cat_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split_dim, cat_dim = ctx.dims
+        return _all_to_all(grad, cat_dim, split_dim, ctx.group), None, None, None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Each rank's share of a result (0 where another rank's is) summed over the group; every rank computes
+    the same loss from the sum, so the gradient of its own share is the sum's gradient, unchanged (an
+    all-reduce of it would count the group's size times)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _attend(query, key, value, cu_seqlens, max_seqlen, scaling, kernel: str) -> torch.Tensor:
+    """Causal attention within each packed sequence: [1, heads, L, D] (key/value: fewer heads, GQA) -> same."""
+    if kernel == "varlen":
+        from torch.nn.attention.varlen import varlen_attn
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, heads, D]
+        out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling, window_size=(-1, 0),
+                          enable_gqa=True)
+        return out.transpose(0, 1)[None]
+    seq = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=query.device), cu_seqlens.diff())
+    mask = (seq[:, None] == seq[None, :]).tril()  # [L, L]: on CPU, and in the GPU check against varlen
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                            enable_gqa=True)
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seqlens=None,
+                     max_seqlen=0, sp_group=None, kernel="sdpa", **kwargs):
+    """transformers' attention interface: query [1, heads, S, D], key/value [1, kv_heads, S, D] ->
+    ([1, S, heads, D], None). S is this rank's slice under --sp: the heads go out and the whole row comes in
+    (KV heads repeated first when the group is larger than their number), and back after the kernel."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if cu_seqlens is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if sp_group is not None:
+        n = dist.get_world_size(sp_group)
+        if key.shape[1] < n:  # each rank needs the KV head of its query heads
+            key, value = (t.repeat_interleave(n // t.shape[1], 1) for t in (key, value))
+        query, key, value = (_AllToAll.apply(t, 1, 2, sp_group) for t in (query, key, value))
+    out = _attend(query, key, value, cu_seqlens, max_seqlen, scaling, kernel)
+    if sp_group is not None:
+        out = _AllToAll.apply(out, 2, 1, sp_group)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_mask(*args, attention_mask=None, **kwargs):
+    """The mask for PACKED_KERNELS: none for a packed row (the kernel has its boundaries), sdpa's otherwise."""
+    from transformers.masking_utils import sdpa_mask
+    return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+PACKED_KERNELS = {"ulorl_varlen": "varlen", "ulorl_sdpa": "sdpa"}  # registered name -> kernel
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    for name, kernel in PACKED_KERNELS.items():
+        AttentionInterface.register(name, functools.partial(packed_attention, kernel=kernel))
+        AttentionMaskInterface.register(name, _packed_mask)
+
+
+def attention_name(implementation: str, sp: int) -> str:
+    """What transformers is asked for: --attn-implementation varlen, and sdpa under --sp, are this file's."""
+    if implementation == "varlen":
+        return "ulorl_varlen"
+    return "ulorl_sdpa" if sp > 1 and implementation == "sdpa" else implementation
+
+
+register_attention()
 
 
 class Policy(torch.nn.Module):
@@ -349,26 +541,29 @@ class Policy(torch.nn.Module):
 
 # ------------------------------------------------------------------------------ distributed training
 
-def wrap(lm, parallel: str, trainable: bool = True, compute_dtype: torch.dtype | None = None):
+def wrap(lm, parallel: str, trainable: bool = True, compute_dtype: torch.dtype | None = None, offload: bool = False):
     """The module the trainer calls. parallel "none": one process. "ddp": a full copy per rank, gradients
     all-reduced (averaged) in the backward. "fsdp": FSDP2, each decoder layer sharded on its own and then
     the root (embeddings, final norm, lm_head), so a forward holds one layer's full weights at a time;
     gradients are reduce-scattered (averaged). A frozen model (the reference) is sharded the same way under
     fsdp. compute_dtype (bf16 runs): under fsdp the fp32 shards are the master weights and each forward
     computes in this dtype (FSDP2's MixedPrecisionPolicy); under ddp the module already computes in it and
-    MasterWeights keeps the fp32 copy, adds up its gradients and reduces them (in fp32, as FSDP2 does)."""
+    MasterWeights keeps the fp32 copy, adds up its gradients and reduces them (in fp32, as FSDP2 does).
+    offload (fsdp): FSDP2's CPUOffloadPolicy: the shards and their gradients stay in host memory (pinned on a
+    GPU machine), each layer's are copied to the GPU for its all-gather, and the optimizer steps on the CPU."""
     policy = Policy(lm)
     if parallel == "none" or (parallel == "ddp" and not trainable):
         return policy
     if parallel == "ddp":
         return torch.nn.parallel.DistributedDataParallel(policy)
     if parallel == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype \
             else MixedPrecisionPolicy()
+        where = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
         for layer in lm.get_decoder().layers:
-            fully_shard(layer, mp_policy=mp)
-        return fully_shard(policy, mp_policy=mp)
+            fully_shard(layer, mp_policy=mp, offload_policy=where)
+        return fully_shard(policy, mp_policy=mp, offload_policy=where)
     raise ValueError(f"--parallel must be fsdp or ddp, got {parallel!r}")
 
 

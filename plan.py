@@ -136,23 +136,32 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
     b = 4  # master weights, gradients, AdamW moments: fp32 in every run
     c = BYTES[cfg.dtype]  # compute
     shards = world if cfg.parallel == "fsdp" and world > 1 else 1
+    sp = max(cfg.sp, 1)
+    offload = cfg.offload_optimizer == "true" and shards > 1
     P = shape.params()
-    T = max(cfg.max_tokens_per_micro_batch, cfg.max_prompt_len + cfg.max_response_len)  # a longer sample goes alone
+    L = max(cfg.max_tokens_per_micro_batch, cfg.max_prompt_len + cfg.max_response_len)  # a longer sample goes alone
+    T = -(-L // sp)  # the tokens of a micro-batch on this rank: its slice under --sp
     per_layer = shape.layer_activations(T) * c
     # kept for the backward: every layer's activations, or (checkpointing) every layer's input plus the one
     # layer recomputed; and, as the backward walks a layer, the gradients of its activations
     kept = shape.layers * T * shape.hidden * c + per_layer if cfg.gradient_checkpointing else shape.layers * per_layer
     activations = kept + per_layer
-    rows_len = T if cfg.pack else min(T, cfg.max_prompt_len + cfg.max_response_len)
-    attention = 0 if cfg.attn_implementation.startswith("flash") else \
-        shape.heads * rows_len * rows_len * c * (T // rows_len)
-    trainer = {"weights": P * b // shards, "gradients": P * b // shards, "AdamW moments": 2 * P * b // shards}
+    rows_len = L if cfg.pack else min(L, cfg.max_prompt_len + cfg.max_response_len)
+    attention = 0 if cfg.attn_implementation.startswith("flash") or cfg.attn_implementation == "varlen" else \
+        shape.heads // sp * rows_len * rows_len * c * (L // rows_len)
+    state = {"weights": P * b // shards, "gradients": P * b // shards, "AdamW moments": 2 * P * b // shards}
+    trainer = {k: 0 for k in state} if offload else dict(state)
     if c != b and shards == 1:
         trainer["compute copy (bf16)"] = P * c
     if cfg.kl_coef > 0:
-        trainer["reference"] = P * b // shards if shards > 1 else P * c
-    if shards > 1:
-        trainer["gathered (FSDP)"] = (shape.root_params() + 2 * shape.layer_params()) * c
+        trainer["reference"] = 0 if offload else P * b // shards if shards > 1 else P * c
+    if shards > 1:  # (offloaded: each layer's shard is copied in for its all-gather, then the layer)
+        gathered = shape.root_params() + 2 * shape.layer_params()
+        trainer["gathered (FSDP)"] = gathered * c + (gathered * b // shards if offload else 0)
+    if sp > 1:  # a layer's q, k, v and output at the whole row's length for heads / sp, sent and received
+        kv = max(shape.kv_heads, sp)
+        trainer["all-to-all (--sp)"] = 2 * (2 * shape.heads + 2 * kv) // sp * L * shape.head_dim * c * \
+            (1 if cfg.gradient_checkpointing else shape.layers)
     trainer.update({"activations": activations, "attention scores": attention,
                     "lm_head chunks": 4 * 512 * shape.vocab * 4})
     slots = cfg.prompts_per_step * cfg.group_size
@@ -172,6 +181,8 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
     batch = cfg.train_groups * cfg.group_size * full
     host = {"rollout records (rank 0)": slots * full * HOST_BYTES_PER_TOKEN,
             "the step's batch (every rank)": batch * (HOST_BYTES_PER_TOKEN + PICKLED_BYTES_PER_TOKEN)}
+    if offload:
+        host["offloaded optimizer state"] = sum(state.values()) + (P * b // shards if cfg.kl_coef > 0 else 0)
     return Plan(trainer, engine, host)
 
 
@@ -211,26 +222,34 @@ def engine_memory(plan: Plan, cfg, capacity: int | None) -> float:
 
 
 def problems(plan: Plan, cfg, capacity: int | None, colocated: bool) -> list[str]:
-    """Why the plan cannot fit (empty when it can), with the flags that would help."""
+    """Why the plan cannot fit (empty when it can), with the flags that would help. On a GPU the trainer may
+    use all but RESERVE of it."""
     if capacity is None:
         return []
     out = []
     need = plan.trainer_total
     if colocated and plan.engine:  # vLLM sleeps while the trainer works; while it samples, the trainer's state stays
         need = max(need, sum(v for k, v in plan.trainer.items() if k in SAMPLING_STATE) + plan.engine_minimum)
-    if need > capacity:
+    gpu = cfg.device.startswith("cuda")
+    budget = capacity * (1 - RESERVE) if gpu else capacity
+    if need > budget:
         help_ = ["more trainer GPUs (FSDP shards weights, gradients and AdamW)"]
         if not plan.trainer.get("gathered (FSDP)"):
             help_.append("--parallel fsdp under torchrun")
-        if plan.trainer["activations"] > capacity / 4:
+        elif cfg.offload_optimizer != "true":
+            help_.append("--offload-optimizer true")
+        if plan.trainer["activations"] > budget / 4:
+            help_.append("--sp N (sequence parallelism; N divides the trainer ranks and the attention heads)"
+                         if cfg.pack else "--pack true with --sp N (sequence parallelism)")
             help_.append("--gradient-checkpointing true" if not cfg.gradient_checkpointing
                          else "a smaller --max-tokens-per-micro-batch")
-        if plan.trainer["attention scores"] > capacity / 8:
-            help_.append("--attn-implementation flash_attention_2")
-        out.append(f"the trainer needs {need / GIB:.1f} GiB per {'GPU' if cfg.device.startswith('cuda') else 'machine'}"
-                   f"{' (with the engine sharing it)' if colocated else ''}, more than its {capacity / GIB:.1f} GiB: "
-                   f"try {', '.join(help_)}")
-    if plan.engine and cfg.device.startswith("cuda"):
+        if plan.trainer["attention scores"] > budget / 8:
+            help_.append("--attn-implementation varlen (with --pack, on GPU)")
+        out.append(f"the trainer needs {need / GIB:.1f} GiB per {'GPU' if gpu else 'machine'}"
+                   f"{' (with the engine sharing it)' if colocated else ''}, more than "
+                   + (f"the {budget / GIB:.1f} GiB it may use of {capacity / GIB:.1f} GiB" if gpu else
+                      f"its {capacity / GIB:.1f} GiB") + f": try {', '.join(help_)}")
+    if plan.engine and gpu:
         fraction = engine_memory(plan, cfg, capacity)
         if plan.engine_minimum > fraction * capacity:
             more = "more --rollout-gpus / --rollout-tp" if not colocated else \
@@ -241,11 +260,36 @@ def problems(plan: Plan, cfg, capacity: int | None, colocated: bool) -> list[str
     return out
 
 
+def choose(make, cfg, capacity: int | None, sp_sizes: list[int], offload_ok: bool) -> tuple[int, str]:
+    """(--sp, --offload-optimizer) for those left at auto (0, "auto"): the first that fits, of the least
+    sequence-parallel size without offload, then the next size, ..., then each size with offload (sequence
+    parallelism costs an all-to-all a layer; offload copies every layer's shard to the GPU for each forward and
+    steps AdamW on the CPU). `make(cfg)` is the plan of a config; `sp_sizes` the sizes the world and the model's
+    heads allow. Nothing fits (or the device's memory is unknown): the last candidate, whose plan says why."""
+    sps = sp_sizes if cfg.sp == 0 else [cfg.sp]
+    offloads = (["false", "true"] if offload_ok else ["false"]) if cfg.offload_optimizer == "auto" \
+        else [cfg.offload_optimizer]
+    candidates = [(sp, off) for off in offloads for sp in sps]
+    if capacity is None:
+        return candidates[0]
+    for sp, off in candidates:
+        trial = dataclasses.replace(cfg, sp=sp, offload_optimizer=off)
+        if not problems(make(trial), trial, capacity, colocated=not cfg.rollout_gpus):
+            return sp, off
+    return candidates[-1]
+
+
 def report(plan: Plan, cfg, world: int) -> str:
-    """What `train.py --plan` prints: the plan's table and whether it fits this machine's device."""
+    """What `train.py --plan` prints: the plan's table, host memory per node, and whether it fits the device."""
     capacity = device_bytes(cfg.device, cfg.device_memory)
     why = problems(plan, cfg, capacity, colocated=not cfg.rollout_gpus)  # no --rollout-gpus: vLLM shares the GPU
-    lines = [plan.table(f"{world} trainer rank(s), {cfg.device}"),
+    local = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    node = sum(v for k, v in plan.host.items() if "rank 0" not in k) * local + \
+        sum(v for k, v in plan.host.items() if "rank 0" in k)
+    parallel = f"--sp {max(cfg.sp, 1)}, --offload-optimizer {cfg.offload_optimizer}, " \
+               f"--attn-implementation {cfg.attn_implementation}"
+    lines = [plan.table(f"{world} trainer rank(s), {cfg.device}; {parallel}"),
+             f"  {f'per node ({local} trainer processes)':<30}{node / GIB:9.3f} GiB",
              "verdict: " + ("; ".join(why) if why else f"fits in {capacity / GIB:.1f} GiB" if capacity else
                             "this machine cannot say how much memory the device has: give it, e.g. --device-memory 141 "
                             "for an H200")]
@@ -309,7 +353,8 @@ def check(work: str, only: str = "") -> list[dict]:
                            vocab_size=len(tok), hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                            num_attention_heads=16, num_key_value_heads=8, head_dim=64, max_position_embeddings=256,
                            tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
-                           pad_token_id=tok.pad_token_id)))):
+                           pad_token_id=tok.pad_token_id))),
+                       ("3M long-context", lambda: tiny.make_long_context_model(4096, tok))):
         path = os.path.join(work, name.replace(" ", "_"))
         if not os.path.exists(path):
             make().save_pretrained(path)
@@ -324,14 +369,21 @@ def check(work: str, only: str = "") -> list[dict]:
     # smaller steps for the larger model, with micro-batches still full on each of 2 ranks (~700 tokens each)
     small = ["--prompts-per-step", "8", "--group-size", "4", "--train-groups", "8", "--max-response-len", "32",
              "--segments", "2", "--max-tokens-per-micro-batch", "512"]
+    # responses that run to 1000 tokens (a random model rarely stops), packed 4096 to a micro-batch: activations
+    # and attention dominate, which --sp splits
+    long = ["--prompts-per-step", "4", "--group-size", "4", "--train-groups", "4", "--max-response-len", "1000",
+            "--segments", "1", "--max-tokens-per-micro-batch", "4096", "--pack", "true", "--engine", "hf"]
     cases = [("tiny dense", 1, []), ("tiny dense", 2, []), ("tiny MoE", 1, ["--data", data]),
              ("tiny MoE", 2, ["--data", data]), ("150M dense", 1, ["--data", data, *small]),
              ("150M dense", 2, ["--data", data, *small]),
-             ("150M dense", 1, ["--data", data, *small, "--gradient-checkpointing", "true"])]
+             ("150M dense", 1, ["--data", data, *small, "--gradient-checkpointing", "true"]),
+             ("150M dense", 2, ["--data", data, *small, "--offload-optimizer", "true"]),
+             ("3M long-context", 2, ["--data", data, *long]), ("3M long-context", 2, ["--data", data, *long, "--sp", "2"])]
     rows = []
     for name, ranks, flags in [c for c in cases if only in c[0]]:
         ckpt = "--gradient-checkpointing" in flags
-        out = os.path.join(work, f"{name.replace(' ', '_')}_{ranks}{'_ckpt' if ckpt else ''}")
+        variant = "ckpt" if ckpt else "sp2" if "--sp" in flags else "offload" if "--offload-optimizer" in flags else ""
+        out = os.path.join(work, f"{name.replace(' ', '_')}_{ranks}{'_' + variant if variant else ''}")
         launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
                                        if ranks > 1 else [])
         cmd = [*launcher, "train.py", "--model", models[name], "--steps", "3", "--eval-n", "64", "--dump-samples", "0",
@@ -343,8 +395,10 @@ def check(work: str, only: str = "") -> list[dict]:
         with open(os.path.join(out, "metrics.jsonl")) as f:
             recs = [json.loads(line) for line in f]
         first = next(r for r in recs if "memory/plan_trainer_mib" in r)  # logged once, with the first record
-        planned, measured = first["memory/plan_trainer_mib"], max(r["memory/host_peak_mib"] for r in recs[1:])
-        rows.append({"model": name, "ranks": ranks, "gradient_checkpointing": ckpt, "plan_mib": round(planned), "measured_mib": round(measured),
+        # (offloaded state is host memory, as everything is on CPU)
+        planned = first["memory/plan_trainer_mib"] + first.get("memory/plan_offloaded_mib", 0)
+        measured = max(r["memory/host_peak_mib"] for r in recs[1:])
+        rows.append({"model": name, "ranks": ranks, "variant": variant, "plan_mib": round(planned), "measured_mib": round(measured),
                      "plan/measured": round(planned / measured, 3), "load_peak_mib": round(first["memory/load_host_mib"])})
         print(json.dumps(rows[-1]), flush=True)
     return rows

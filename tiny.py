@@ -61,6 +61,18 @@ def make_moe_model(tokenizer, seed: int = 0, experts: int = 4, top_k: int = 2) -
     return Qwen3MoeForCausalLM(config)
 
 
+def make_long_context_model(max_len: int, tokenizer=None, seed: int = 0) -> Qwen3ForCausalLM:
+    """A random dense Qwen3 of ~3M parameters (8 heads, 4 KV heads) whose memory and time at a few thousand
+    tokens go to activations and attention, not weights: what sequence parallelism splits (bench.py sp,
+    plan.py check). `tokenizer`: its vocabulary and special tokens (default: 64 ids, no specials)."""
+    torch.manual_seed(seed)
+    special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id) if tokenizer else {}
+    return Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer) if tokenizer else 64, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=max_len, rope_theta=10000.0,
+        tie_word_embeddings=True, bos_token_id=None, dtype="float32", **special))
+
+
 def make_model(tokenizer, seed: int = 0) -> Qwen3ForCausalLM:
     """~0.8M parameters. head_dim 32 because vLLM's CPU attention needs >= 32; tied embeddings like the
     small Qwen3 models (which exercises the tied-lm_head path of the weight sync)."""

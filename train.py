@@ -41,7 +41,7 @@ import plan as plan_lib
 import reward
 import sandbox
 import ulorl
-from config import Config, engine_placement, parse_config
+from config import Config, engine_placement, parse_config, tensor_parallel_sizes
 from engine import Sampling, engine_kind, make_engine
 from segment_rollout import Pools, Sample, rollout_step
 from ulorl import RunState
@@ -56,7 +56,11 @@ def setup_distributed(cfg: Config) -> tuple[int, int]:
         if cfg.device.startswith("cuda"):
             cfg.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
             torch.cuda.set_device(cfg.device)
-        model_lib.init_distributed("nccl" if cfg.device.startswith("cuda") else "gloo", cfg.dist_timeout)
+        # (optimizer offload: the gradient norm and the checkpoint's gathers of host-memory shards go through gloo)
+        backend = "gloo" if not cfg.device.startswith("cuda") else \
+            "cpu:gloo,cuda:nccl" if cfg.offload_optimizer == "true" else "nccl"
+        model_lib.init_distributed(backend, cfg.dist_timeout)
+        model_lib.init_sequence_parallel(cfg.sp)
     return model_lib.rank(), world
 
 
@@ -108,6 +112,23 @@ def place(cfg: Config, config, local_ranks: int) -> None:
     cfg.rollout_gpus, cfg.rollout_tp = ",".join(map(str, gpus)), tp if gpus else 0
 
 
+def fit_parallelism(cfg: Config, world: int, config) -> None:
+    """--sp and --offload-optimizer checked against the model's heads and the trainer ranks, and those left at auto
+    (the ulorl preset's) chosen from the memory plan (plan.choose), after place()."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    sizes = [n for n in tensor_parallel_sizes(heads, kv, world) if world % n == 0] if cfg.pack else [1]
+    if cfg.sp > 1 and cfg.sp not in sizes:
+        raise ValueError(f"--sp {cfg.sp}: a sequence-parallel size divides the {world} trainer rank(s) and the model's "
+                         f"{heads} attention heads, and divides its {kv} KV heads or is a multiple of them: "
+                         f"{', '.join(map(str, sizes))} here")
+    fsdp = world > 1 and cfg.parallel == "fsdp"
+    if cfg.offload_optimizer == "true" and not fsdp:
+        raise ValueError("--offload-optimizer true is FSDP2's CPU offload: under torchrun with --parallel fsdp")
+    capacity = plan_lib.device_bytes(cfg.device, cfg.device_memory)
+    cfg.sp, cfg.offload_optimizer = plan_lib.choose(lambda c: memory_plan(c, world, config), cfg, capacity, sizes, fsdp)
+
+
 def memory_plan(cfg: Config, world: int, config) -> plan_lib.Plan:
     """plan.make_plan from the model's config.json alone (`config`; a hub name's from the Hugging Face cache or
     hub), after place()."""
@@ -130,7 +151,8 @@ def placement_line(cfg: Config, world: int, local_ranks: int, mem: float) -> str
         engine = f"vLLM on GPU {cfg.rollout_gpus} (TP {cfg.rollout_tp}, gpu_memory_utilization {mem:.2f})"
     else:
         engine = f"vLLM sharing {cfg.device}, asleep during the update (gpu_memory_utilization {mem:.2f})"
-    parallel = f", {cfg.parallel}" if world > 1 else ""
+    parallel = (f", {cfg.parallel}" + (f", sequence-parallel groups of {cfg.sp}" if cfg.sp > 1 else "")
+                + (", optimizer state in host memory" if cfg.offload_optimizer == "true" else "")) if world > 1 else ""
     return f"placement: {ranks} on {where} ({compute}{parallel}); rollout engine: {engine}"
 
 
@@ -209,14 +231,16 @@ def load_models(cfg: Config, resume_from: str | None, world: int):
     compute = None if cfg.dtype == "float32" else model_lib.DTYPES[cfg.dtype]
     path = resume_from or cfg.model
     ref_path = os.path.join(resume_from, "reference") if resume_from else cfg.model
-    yarn = (cfg.rope_scaling_factor, cfg.rope_original_max_positions, cfg.attn_implementation)
+    yarn = (cfg.rope_scaling_factor, cfg.rope_original_max_positions,
+            model_lib.attention_name(cfg.attn_implementation, cfg.sp))
     ref = ref_lm = None
-    if world > 1 and cfg.parallel == "fsdp":
+    if world > 1 and cfg.parallel == "fsdp":  # (offload: the reference's fp32 shards too, as large as the masters)
+        offload = cfg.offload_optimizer == "true"
         policy, lm, tokenizer = model_lib.load_sharded(path, "float32", cfg.device, cfg.gradient_checkpointing, *yarn,
-                                                       compute_dtype=compute)
+                                                       compute_dtype=compute, offload=offload)
         if cfg.kl_coef > 0:
             ref, ref_lm, _ = model_lib.load_sharded(ref_path, "float32", cfg.device, False, *yarn, trainable=False,
-                                                    compute_dtype=compute)
+                                                    compute_dtype=compute, offload=offload)
         return policy, ref, lm, ref_lm, tokenizer, None
     mode = cfg.parallel if world > 1 else "none"
     lm, tokenizer = model_lib.load(path, "float32", cfg.device, cfg.gradient_checkpointing, *yarn)
@@ -236,7 +260,7 @@ def rollout_engine(cfg: Config, lm, tokenizer, path: str, world: int, mem: float
     kind = engine_kind(cfg.engine, cfg.device)
     if kind == "hf" and world > 1:  # the trainer's module is sharded: the engine samples with a whole copy
         lm = model_lib.load(path, cfg.dtype, cfg.device, False, cfg.rope_scaling_factor,
-                            cfg.rope_original_max_positions, cfg.attn_implementation)[0]
+                            cfg.rope_original_max_positions, model_lib.attention_name(cfg.attn_implementation, 1))[0]
     return make_engine(kind, lm, tokenizer, cfg.seed, path=path,
                        max_model_len=cfg.max_prompt_len + cfg.max_response_len, mem=mem, device=cfg.device,
                        dtype=cfg.dtype,
@@ -351,6 +375,7 @@ def main(cfg: Config, engine_hook=None) -> None:
     model_config = model_lib.model_config(cfg.model, cfg.rope_scaling_factor, cfg.rope_original_max_positions)
     check_context(cfg, model_config)
     place(cfg, model_config, local_ranks)
+    fit_parallelism(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_config)
     if cfg.plan:  # for the WORLD_SIZE trainer ranks torchrun would start (1 without it); nothing is started
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if int(os.environ.get("RANK", "0")) == 0:
@@ -398,6 +423,8 @@ def main(cfg: Config, engine_hook=None) -> None:
     if resume_from:
         checkpoint.load(resume_from, opt, sched, engine, pools, state, masters)
     startup = {"memory/load_host_mib": load_peak, "memory/plan_trainer_mib": plan.trainer_total / 2**20}  # logged once
+    if "offloaded optimizer state" in plan.host:
+        startup["memory/plan_offloaded_mib"] = plan.host["offloaded optimizer state"] / 2**20
     if lead:
         if resume_from:
             print(f"resumed from {resume_from} at step {state.step}", flush=True)

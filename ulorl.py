@@ -120,14 +120,15 @@ def staleness(samples: list, version: int) -> dict:
 
 def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg) -> list[list[MicroBatch]]:
     """Mini-batches are optimizer steps (whole groups, in order); micro-batches are forward/backward calls.
-    Under torchrun each rank takes a share of every mini-batch (balanced by tokens); a rank with fewer
-    micro-batches than another runs empty stand-ins, so that every rank's collectives line up."""
+    Under torchrun each rank takes a share of every mini-batch (balanced by tokens; under --sp the ranks of a
+    sequence-parallel group take the same share, each a slice of its rows); a rank with fewer micro-batches
+    than another runs empty stand-ins, so that every rank's collectives line up."""
     per_mini = len(samples) if cfg.mini_batch <= 0 else cfg.mini_batch
     minis = []
     for lo in range(0, len(samples), per_mini):
         idx = list(range(lo, min(lo + per_mini, len(samples))))
         mine = model_lib.rank_share([len(samples[i].prompt_ids) + len(samples[i].tokens) for i in idx],
-                                    model_lib.rank(), model_lib.world())
+                                    model_lib.data_rank(), model_lib.data_world())
         mine = [idx[j] for j in mine]
         mbs = [[mine[j] for j in mb] for mb in model_lib.micro_batches([samples[i] for i in mine],
                                                                          cfg.max_tokens_per_micro_batch, cfg.pack)]
@@ -164,7 +165,7 @@ def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg) -> tu
             if ref is not None:
                 mb.ref = ref(mb, cfg.temperature)[0]
             mb.loss_mask, mb.pg_mask = token_masks(mb, cur, entropy, cfg)
-            if mb.empty:
+            if mb.empty or not model_lib.counts():  # (a sequence-parallel group's other ranks: counted once)
                 continue
             stats["entropy"] += entropy[mb.resp_mask].sum().item()
             stats["tokens"] += int(mb.resp_mask.sum())
@@ -202,9 +203,10 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg,
         # The one place that decides what the loss averages over: every loss_mask token (DMMPT-masked ones
         # included, UloRL Eq. 10; overlong-filtered samples not) of *all* micro-batches of this optimizer
         # step on all ranks (samples, for agg="sample"). DDP and FSDP average gradients over ranks; scaling
-        # by the world size makes it a sum.
+        # by the world size makes it a sum. Under --sp each rank of a group computes the whole loss but its
+        # gradient flows through its own slice's tokens only: the group's gradients add up to the loss's.
         local = sum(int(mb.loss_mask.sum()) if cfg.agg == "token" else int((mb.loss_mask.sum(1) > 0).sum())
-                    for mb in mbs)
+                    for mb in mbs) if model_lib.counts() else 0
         denom = model_lib.all_sum({"n": local})["n"]
         opt.zero_grad(set_to_none=True)
         finite = True
@@ -219,14 +221,17 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg,
             if masters is not None:
                 masters.take_grads()
             finite &= bool(torch.isfinite(loss))
-            if mb.empty:
+            ratio = loss_metrics.pop("ratio/max")
+            for k in loss_metrics:  # every rank sums the same keys in update(), whatever it trained on
+                totals.setdefault(k, 0.0)
+            if mb.empty or not model_lib.counts():
                 continue
             # policy_loss's metrics are means over this micro-batch's pg_mask tokens (the KL: loss_mask tokens);
             # weighted by those counts here, update() divides them by the step's counts (prepare's)
-            ratio_max = max(ratio_max, loss_metrics.pop("ratio/max"))  # a max, not a mean
+            ratio_max = max(ratio_max, ratio)  # a max, not a mean
             for k, v in loss_metrics.items():  # the loss already carries the global denominator: it adds up
                 weight = 1 if k == "loss/policy" else (mb.loss_mask if k == "loss/kl" else mb.pg_mask).sum().item()
-                totals[k] = totals.get(k, 0.0) + v * weight
+                totals[k] += v * weight
         if masters is not None:
             masters.reduce_grads()
         grad_norm = model_lib.full_tensor(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))

@@ -5,6 +5,7 @@ local copy of Qwen3-30B-A3B's config.json in a Hugging Face cache layout: nothin
 
     python -m pytest tests/test_placement.py -q        # ~20 s
 """
+import dataclasses
 import os
 import sys
 
@@ -79,7 +80,7 @@ def test_the_ulorl_preset_reaches_its_context_and_a_short_model_is_an_error(tmp_
     plan = run([sys.executable, "train.py", "--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus",
                 "6,7", "--plan"], timeout=120, env=env)
     assert plan.returncode == 0, plan.stderr[-2000:]
-    assert "memory plan (6 trainer rank(s), cuda)" in plan.stdout and "KV cache, 1 sample" in plan.stdout
+    assert "memory plan (6 trainer rank(s), cuda; --sp 1," in plan.stdout and "KV cache, 1 sample" in plan.stdout
     short = run([sys.executable, "train.py", "--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus",
                  "6,7", "--plan", "--rope-scaling-factor", "0"], timeout=120, env=env)
     assert short.returncode == 1 and "Traceback" not in short.stderr
@@ -113,15 +114,50 @@ def test_engine_memory_follows_the_placement():
 
 
 def test_a_plan_for_a_target_gpu_from_any_machine(tmp_path):
-    """--device-memory (decimal GB, as vendors state it) gives the verdict a machine without the GPU cannot:
-    the headline's trainer does not fit an H200 at 128k yet (context parallelism and optimizer offload are not
-    built), even with flash attention."""
+    """--device-memory (decimal GB, as vendors state it) gives the verdict a machine without the GPU cannot. The
+    ulorl preset leaves --sp and --offload-optimizer at auto, and the plan picks: on 8 H200s (6 trainer ranks),
+    sequence parallelism over 2 ranks; on 8 x 80 GB, that and the optimizer state in host memory; ProRL's 1.5B
+    at 16k needs neither. Without it a laptop cannot say."""
     env = dict(os.environ, **hub_cache(tmp_path, "Qwen/Qwen3-30B-A3B", QWEN3_30B), WORLD_SIZE="6")
-    plan = run([sys.executable, "train.py", "--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus",
-                "6,7", "--plan", "--device-memory", "141", "--attn-implementation", "flash_attention_2"],
-               timeout=120, env=env)
-    assert plan.returncode == 0, plan.stderr[-2000:]
-    assert "verdict: the trainer needs 150.9 GiB per GPU, more than its 131.3 GiB" in plan.stdout, plan.stdout
-    unknown = run([sys.executable, "train.py", "--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus",
-                   "6,7", "--plan"], timeout=120, env=env)
+    headline = [sys.executable, "train.py", "--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus",
+                "6,7", "--plan"]
+    h200 = run(headline + ["--device-memory", "141"], timeout=120, env=env)
+    assert h200.returncode == 0, h200.stderr[-2000:]
+    assert "--sp 2, --offload-optimizer false, --attn-implementation varlen" in h200.stdout
+    assert "verdict: fits in 131.3 GiB" in h200.stdout, h200.stdout
+    h100 = run(headline + ["--device-memory", "80"], timeout=120, env=env)
+    assert h100.returncode == 0 and "--sp 2, --offload-optimizer true," in h100.stdout
+    assert "verdict: fits in 74.5 GiB" in h100.stdout and "offloaded optimizer state" in h100.stdout, h100.stdout
+    # the same flags fixed by hand: without sequence parallelism 128k does not fit, and the plan says what would
+    fixed = run(headline + ["--device-memory", "141", "--sp", "1", "--offload-optimizer", "false"], timeout=120, env=env)
+    assert fixed.returncode == 0 and "verdict: the trainer needs 150.9 GiB per GPU, more than the 124.8 GiB it may " \
+                                     "use of 131.3 GiB: try" in fixed.stdout, fixed.stdout
+    assert "--offload-optimizer true" in fixed.stdout and "--sp N" in fixed.stdout
+    unknown = run(headline, timeout=120, env=env)
     assert "give it, e.g. --device-memory 141" in unknown.stdout
+    prorl = dict(os.environ, **hub_cache(tmp_path / "prorl", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+                                         os.path.join(ROOT, "tests", "configs", "DeepSeek-R1-Distill-Qwen-1.5B")),
+                 WORLD_SIZE="6")
+    small = run([sys.executable, "train.py", "--preset", "prorl", "--max-response-len", "16384", "--rollout-gpus", "6,7",
+                 "--plan", "--device-memory", "80"], timeout=120, env=prorl)
+    assert small.returncode == 0 and "--sp 1, --offload-optimizer false" in small.stdout
+    assert "verdict: fits in 74.5 GiB" in small.stdout, small.stdout
+
+
+def test_the_plan_chooses_the_least_that_fits():
+    """plan.choose: sequence-parallel sizes in order without offload, then with it; the first that fits."""
+    from transformers import AutoConfig
+    shape = plan_lib.Shape.of(AutoConfig.from_pretrained(QWEN3_30B))
+    cfg = gpu_cfg("--preset", "ulorl", "--rollout-gpus", "6,7")
+    cfg.rollout_tp = 2
+    make = lambda c: plan_lib.make_plan(shape, c, 6, 2, True)
+    assert plan_lib.choose(make, cfg, H200, [1, 2], True) == (2, "false")
+    assert plan_lib.choose(make, cfg, 80 * 10**9, [1, 2], True) == (2, "true")
+    assert plan_lib.choose(make, cfg, 40 * 10**9, [1, 2], True) == (2, "true")  # nothing fits: the most; it says why
+    assert plan_lib.choose(make, cfg, 80 * 10**9, [1, 2], False) == (2, "false")  # no FSDP: no offload
+    assert plan_lib.choose(make, cfg, None, [1, 2], True) == (1, "false")
+    sp2 = make(dataclasses.replace(cfg, sp=2, offload_optimizer="false"))
+    one = make(dataclasses.replace(cfg, sp=1, offload_optimizer="false"))
+    assert sp2.trainer["activations"] < 0.51 * one.trainer["activations"]
+    off = make(dataclasses.replace(cfg, sp=2, offload_optimizer="true"))
+    assert off.trainer["AdamW moments"] == 0 and off.host["offloaded optimizer state"] == 4 * sp2.trainer["weights"]

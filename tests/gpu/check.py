@@ -1,17 +1,35 @@
-"""The GPU check: the headline run (`torchrun --nproc-per-node 6 train.py --preset ulorl --model Qwen/Qwen3-30B-A3B
---rollout-gpus 6,7`) at small size, through the real entry point, with the placement the GPUs present allow.
-Not run on a GPU yet: its time estimates are guesses until it has.
+"""The GPU check: the attention kernels the trainer runs on packed rows, then the headline run (`torchrun
+--nproc-per-node 6 train.py --preset ulorl --model Qwen/Qwen3-30B-A3B --rollout-gpus 6,7`) at small size, through
+the real entry point, with the placement the GPUs present allow. Not run on a GPU yet: its time estimates are
+guesses until it has.
 
-Placements, by the number N of GPUs used (those visible; --gpus N takes the first N):
+The kernel check comes first, on the first GPU, in a process of its own (its CUDA memory is gone before the runs
+start; seconds of GPU time). On one packed row of 1000 + 3000 + 12000 tokens with Qwen3-30B-A3B's attention
+(32 query heads, 4 KV heads of 128, bf16), model._attend's varlen kernel (torch's FlashAttention for packed
+sequences, what the trainer runs on GPU) against its sdpa one (a block-diagonal causal [L, L] mask, the CPU
+path): the output and the gradients of q, k and v (the backward of a random projection of the output) agree
+within 2e-2 (KERNEL_RTOL), both as the largest difference over the reference's largest magnitude and in norm.
+Then varlen alone on a row of 131072 tokens, where the mask alone would take 16 GiB: it must run, its extra peak
+memory stay under that mask's size, and it must agree with sdpa run on each sequence by itself (causal, no mask).
+Each kernel's peak CUDA memory above its inputs and its seconds (forward + backward) are reported.
+
+Placements of the training runs, by the number N of GPUs used (those visible; --gpus N takes the first N):
   fsdp       N >= 4: torchrun, 2 FSDP2 trainer ranks on cuda:0,1 (fp32 masters, bf16 compute) and vLLM
              tensor-parallel over cuda:2,3 in a process of its own; weights by NCCL broadcast from rank 0.
+             Packed rows through the varlen kernel, as the ulorl preset trains.
              Checks sharded loading from a hub name, the per-layer gathers, NCCL sync into a TP engine.
   split      N = 2-3: one trainer process on cuda:0, vLLM on the others (TP 2 on 3 GPUs, 1 on 2); NCCL.
-             Checks the engine on GPUs of its own without torchrun.
+             Checks the engine on GPUs of its own without torchrun. Unpacked rows through sdpa.
   colocated  N = 1: one trainer process, vLLM on the same GPU, asleep during the update; CUDA IPC.
-             Checks sleep/wake and IPC sync with a long-context KV cache beside the trainer.
+             Checks sleep/wake and IPC sync with a long-context KV cache beside the trainer. Unpacked, sdpa.
 The MoE model runs in N's placement. The dense model (tied embeddings) runs only where it costs no time: on
 the GPUs that placement leaves idle (N >= 5), at the same time, in the spare count's placement.
+
+On N >= 4 a second phase follows the first: its fsdp runs again, in the same placement, with --sp 2 (Ulysses
+sequence parallelism: the two trainer ranks form one group, each holding half of every packed row; attention
+between all-to-alls) and --offload-optimizer true (FSDP2's CPUOffloadPolicy: masters, gradients and AdamW in
+host memory). Checks that the all-to-alls, the group's sums and the host-memory optimizer train as the first
+phase does, and what they cost in step time against what they save in GPU memory.
 
 Every run has the headline's shape: a random qwen3_moe with 64 experts and top-8 routing, loaded by a hub
 name (ulorl-check/moe64) from a Hugging Face cache this script builds (HF_HUB_OFFLINE=1); YaRN over 8192
@@ -20,12 +38,15 @@ bf16; --preset ulorl with every value the run depends on passed as a flag; the e
 (the KL between their log-probs on freshly sampled tokens) at its defaults. A run passes when train.py exits 0 (it stops itself when the check fails), the gap was
 measured after a weight sync and stayed under the default stop threshold, and training moved the weights.
 
-Prints one JSON line per run (gap statistics, sync seconds, tokens/s, peak MiB per GPU, seconds to the first
-step, how far the weights moved), then a summary line; exits 1 when a run fails.
+Prints the kernel check's JSON line, then one per run (gap statistics, sync seconds, tokens/s, seconds a step
+and of it outside rollout and sync, peak MiB per GPU, seconds to the first step, how far the weights moved),
+then a summary line; exits 1 when the kernel check or a run fails.
 
-    bash tests/gpu/check.sh                       # every visible GPU; needs vllm==0.32.0
+    bash tests/gpu/check.sh                       # every visible GPU; needs vllm==0.32.0; on 4+ GPUs two phases,
+                                                  # up to ~20 minutes (--timeout 540 a run)
     bash tests/gpu/check.sh --gpus 1              # the colocated placement alone: under 10 minutes (--timeout 540 a run)
     bash tests/gpu/check.sh --dry-run --gpus 8    # the commands for 8 GPUs, one a line; no GPU, no models
+    bash tests/gpu/check.sh --kernel              # the kernel check alone (one GPU, seconds)
 """
 import argparse
 import dataclasses
@@ -57,6 +78,15 @@ PROMPT_LEN, RESPONSE_LEN, SEGMENTS = 64, 32704, 64  # 64 + 32704 = 32768: a samp
 TEMPERATURE, LR, STEPS = 0.85, 1e-5, 4  # at 1e-4 one AdamW step reshapes a random model
 MEAN_LEN = 256  # eos_bias sets P(EOS) ~ 1/MEAN_LEN a token: responses of ~MEAN_LEN tokens on average, geometric
 GAP_KEYS = ("rollout/engine_kl", "rollout/logprob_diff_mean", "rollout/logprob_diff_p99", "rollout/logprob_diff_max")
+# The trainer's rows and parallelism, by variant (always given: the ulorl preset leaves --sp and
+# --offload-optimizer to the memory plan). "unpacked": padded rows through sdpa (split, colocated). "packed": packed
+# rows through the varlen kernel, as the preset trains (fsdp). "sp2_offload": that with Ulysses sequence parallelism
+# over the two trainer ranks and FSDP2's optimizer offload (fsdp, second phase).
+VARIANTS = {
+    "unpacked": {"--pack": "false", "--attn-implementation": "sdpa", "--sp": "1", "--offload-optimizer": "false"},
+    "packed": {"--pack": "true", "--attn-implementation": "varlen", "--sp": "1", "--offload-optimizer": "false"},
+    "sp2_offload": {"--pack": "true", "--attn-implementation": "varlen", "--sp": "2", "--offload-optimizer": "true"},
+}
 
 
 # ----------------------------------------------------------------------------- placements and commands
@@ -69,6 +99,7 @@ class Run:
     cmd: list[str]
     env: dict  # what the run needs over the check's own environment
     out: str
+    variant: str = ""  # a key of VARIANTS
 
 
 def engine_tp(engine_gpus: int) -> int:
@@ -90,10 +121,10 @@ def placement(n: int) -> tuple[str, int, list[str]]:
     return "colocated", 1, ["train.py"]
 
 
-def train_flags(model: str, data: str, out: str) -> list[str]:
+def train_flags(model: str, data: str, out: str, variant: str) -> list[str]:
     """train.py's flags past the placement: the ulorl preset at small size, every value the run depends on
-    given (a hub name alone implies the preset). The gap flags and --rollout-mem are left to their
-    defaults on purpose: the check is of those."""
+    given (a hub name alone implies the preset), the rows and parallelism of `variant` (VARIANTS). The gap
+    flags and --rollout-mem are left to their defaults on purpose: the check is of those."""
     return ["--preset", "ulorl", "--model", HUB[model], "--engine", "vllm", "--device", "cuda", "--dtype", "bfloat16",
             "--data", data, "--prompt-key", "prompt", "--answer-key", "answer", "--default-verifier", "ifeval",
             "--eval-data", "", "--eval-every", "0", "--out", out, "--seed", "0", "--steps", str(STEPS),
@@ -106,32 +137,46 @@ def train_flags(model: str, data: str, out: str) -> list[str]:
             "--weight-decay", "0", "--grad-clip", "1", "--eps-low", "0.2", "--eps-high", "0.2", "--clip-ratio-c", "3",
             "--is-mode", "pois", "--mpt", "dynamic", "--mpt-tau", "0.99", "--mpt-sigma", "0.2", "--kl-coef", "0",
             "--tis-cap", "0", "--overlong", "zero", "--dynamic-sampling", "true",
-            "--max-tokens-per-micro-batch", "65536", "--gradient-checkpointing", "true", "--pack", "false",
-            "--attn-implementation", "sdpa", "--save-every", "0", "--dump-samples", "16", "--report-to", "none"]
+            "--max-tokens-per-micro-batch", "65536", "--gradient-checkpointing", "true", "--save-every", "0",
+            "--dump-samples", "16", "--report-to", "none", *(w for kv in VARIANTS[variant].items() for w in kv)]
 
 
-def plan_runs(visible: list[str], work: str, python: str = sys.executable) -> list[Run]:
-    """The runs on the GPUs `visible` (CUDA_VISIBLE_DEVICES entries): the MoE model in their count's
-    placement, the dense model in the placement of those left idle, if any. Their GPUs never overlap, so
-    they run at the same time."""
-    runs, free = [], list(visible)
+def plan_runs(visible: list[str], work: str, python: str = sys.executable) -> list[list[Run]]:
+    """The runs on the GPUs `visible` (CUDA_VISIBLE_DEVICES entries), in phases that run one after the other.
+    Phase 1: the MoE model in their count's placement, the dense model in the placement of those left idle, if
+    any; their GPUs never overlap, so they run at the same time. Phase 2, where phase 1 has fsdp runs: those
+    again on the same GPUs with sequence parallelism and the optimizer in host memory (sp2_offload)."""
+    first, free = [], list(visible)
     for model in ("moe", "dense"):
         if not free:
             break
         name, used, launcher = placement(len(free))
         gpus, free = free[:used], free[used:]
-        out = os.path.join(work, "runs", f"{name}_{model}")
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # nvidia-smi's numbering
-               "HF_HOME": os.path.join(work, "hf"), "HF_HUB_CACHE": os.path.join(work, "hf", "hub"),
-               "HF_HUB_OFFLINE": "1"}
-        runs.append(Run(name, model, gpus, [python, *launcher, *train_flags(model, os.path.join(work, "data.jsonl"),
-                                                                            out)], env, out))
-    return runs
+        first.append(make_run(name, model, gpus, launcher, "packed" if name == "fsdp" else "unpacked", work, python))
+    second = [make_run(r.placement, r.model, r.gpus, placement(len(r.gpus))[2], "sp2_offload", work, python)
+              for r in first if r.placement == "fsdp"]
+    return [first, second] if second else [first]
 
 
-def shell_line(run: Run) -> str:
-    """The run as one shell line from the project's root: its environment, then its command, quoted."""
-    return " ".join([f"{k}={shlex.quote(v)}" for k, v in run.env.items()] + [shlex.quote(c) for c in run.cmd])
+def make_run(name: str, model: str, gpus: list[str], launcher: list[str], variant: str, work: str,
+             python: str) -> Run:
+    """One training run: its GPUs (CUDA_VISIBLE_DEVICES), the offline Hugging Face cache, an --out of its own."""
+    out = os.path.join(work, "runs", f"{name}_{variant}_{model}")
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # nvidia-smi's numbering
+           "HF_HOME": os.path.join(work, "hf"), "HF_HUB_CACHE": os.path.join(work, "hf", "hub"), "HF_HUB_OFFLINE": "1"}
+    cmd = [python, *launcher, *train_flags(model, os.path.join(work, "data.jsonl"), out, variant)]
+    return Run(name, model, gpus, cmd, env, out, variant)
+
+
+def kernel_command(gpu: str, python: str = sys.executable) -> tuple[dict, list[str]]:
+    """(environment, command) of the kernel check: this script with --kernel, on the GPU `gpu` alone."""
+    return ({"CUDA_VISIBLE_DEVICES": gpu, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+            [python, os.path.join("tests", "gpu", "check.py"), "--kernel"])
+
+
+def shell_line(env: dict, cmd: list[str]) -> str:
+    """A command as one shell line from the project's root: its environment, then its words, quoted."""
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(c) for c in cmd])
 
 
 # ----------------------------------------------------------------------------------- models and data
@@ -324,7 +369,8 @@ def weights_moved(hf_home: str, run: Run) -> float | None:
 
 def result(run: Run, rc: int, timed_out: bool, first_step_s, peaks: dict, wall: float, timeout: float) -> dict:
     """One run's JSON line, with why it failed (`error`: the stderr tail when train.py did)."""
-    out = {"placement": run.placement, "model": HUB[run.model], "gpus": run.gpus, "ok": False, "error": None}
+    out = {"placement": run.placement, "variant": run.variant, "model": HUB[run.model], "gpus": run.gpus,
+           "flags": VARIANTS.get(run.variant), "ok": False, "error": None}
     try:
         with open(os.path.join(run.out, "metrics.jsonl")) as f:
             recs = [r for r in map(json.loads, f) if r.get("step", 0) >= 1]
@@ -336,8 +382,15 @@ def result(run: Run, rc: int, timed_out: bool, first_step_s, peaks: dict, wall: 
 
     gaps = {k: max(values(k)) for k in GAP_KEYS if values(k)}  # the worst step's
     syncs, speeds, trainer_peaks = values("time/sync_s"), values("tokens/per_s"), values("memory/gpu_peak_mib")
+    steps = values("time/step_s")
+    # a step's seconds outside the rollout and the weight sync: old/reference log-probs and the update (evaluation
+    # is off; the sample dump is small), where sequence parallelism and the offloaded optimizer cost their time
+    trains = [r["time/step_s"] - r["time/rollout_s"] - (r.get("time/sync_s") or 0) for r in recs
+              if isinstance(r.get("time/step_s"), (int, float)) and isinstance(r.get("time/rollout_s"), (int, float))]
     out.update(steps=len(recs), gap=gaps, sync_s=round(sum(syncs) / len(syncs), 3) if syncs else None,
                tokens_per_s=round(sum(speeds) / len(speeds)) if speeds else None,
+               step_s=round(sum(steps) / len(steps), 2) if steps else None,
+               train_s=round(sum(trains) / len(trains), 2) if trains else None,
                peak_mib_per_gpu={g: peaks.get(g) for g in run.gpus},
                trainer_peak_mib=round(max(trainer_peaks)) if trainer_peaks else None,
                first_step_s=round(first_step_s, 1) if first_step_s is not None else None, wall_s=round(wall, 1),
@@ -367,19 +420,197 @@ def result(run: Run, rc: int, timed_out: bool, first_step_s, peaks: dict, wall: 
     return out
 
 
+# ------------------------------------------------------------------------------------------- the kernel check
+
+KERNEL_ROW = (1000, 3000, 12000)  # one packed row of 16000 tokens, where sdpa's [L, L] mask still fits
+KERNEL_LONG_ROW = (2048, 30720, 98304)  # 131072 tokens: that mask alone (bool) would take 16 GiB
+KERNEL_SHAPE = dict(heads=32, kv_heads=4, head_dim=128)  # Qwen3-30B-A3B's attention
+# The bf16 tolerance, for the largest difference over the reference's largest magnitude and for the difference's
+# norm over the reference's. Two right kernels that accumulate in fp32 differ by the bf16 rounding of their
+# outputs and of the probabilities they multiply the values by: a few 1e-3 (on the CPU, sdpa's math backend in
+# bf16 is 4e-3 from fp32 at 4800 tokens; its flash backend, which sums gradients in bf16, 2.4e-2). One that
+# attends across a sequence boundary or past the causal edge is off by about the output's own size (0.5-1).
+KERNEL_RTOL = 2e-2
+
+
+def packed_row(lengths, device: str, dtype, seed: int = 0) -> dict:
+    """One packed row of sequences of `lengths`: random query, key and value in the layout the model hands its
+    attention ([1, heads, L, D], views of [1, L, heads, D]), a random projection of the output (the loss is
+    their dot product, so the output's gradient is the projection), and the row's sequence boundaries from its
+    position ids, by model.sequence_bounds as the trainer finds them."""
+    import torch
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    import model
+    heads, kv_heads, dim = KERNEL_SHAPE["heads"], KERNEL_SHAPE["kv_heads"], KERNEL_SHAPE["head_dim"]
+    n = sum(lengths)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(h):
+        return torch.randn(1, n, h, dim, generator=gen, device=device, dtype=dtype).transpose(1, 2)
+
+    pos = torch.cat([torch.arange(k, device=device) for k in lengths])[None]
+    cu, longest = model.sequence_bounds(pos)
+    return dict(q=draw(heads), k=draw(kv_heads), v=draw(kv_heads), proj=draw(heads), cu=cu, longest=longest,
+                lengths=list(lengths))
+
+
+def attend(row: dict, kernel: str) -> dict:
+    """Forward and backward of one kernel over `row`: the output, the gradients of q, k and v, the peak memory
+    above what was allocated before it (MiB; None on the CPU) and the seconds. kernel: "varlen" or "sdpa"
+    (model._attend's), or "per_sequence": sdpa on each sequence alone with is_causal, a reference that needs no
+    mask (on a GPU never the math backend, which would hold [heads, L, L] scores)."""
+    import contextlib
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    import model
+    cuda = row["q"].is_cuda
+    q, k, v = (row[name].detach().requires_grad_() for name in "qkv")
+    scale = KERNEL_SHAPE["head_dim"] ** -0.5
+    before = 0
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    t0 = time.time()
+    if kernel == "per_sequence":
+        bounds = row["cu"].tolist()
+        fused = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+        with fused if cuda else contextlib.nullcontext():
+            out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=scale, enable_gqa=True)
+                for a, b in zip(bounds, bounds[1:])], 2)
+    else:
+        out = model._attend(q, k, v, row["cu"], row["longest"], scale, kernel)
+    (out * row["proj"]).sum().backward()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.time() - t0
+    peak = round((torch.cuda.max_memory_allocated() - before) / 2**20) if cuda else None
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "peak_mib": peak,
+            "seconds": round(seconds, 3)}
+
+
+def agreement(got: dict, want: dict) -> dict:
+    """{output or gradient: figures} of `got` (attend's) against the reference `want`: the largest difference
+    (max_abs), that over the reference's largest magnitude (max_rel), and the difference's norm over the
+    reference's (rel_l2), in fp32."""
+    out = {}
+    for key in ("out", "dq", "dk", "dv"):
+        a, b = got[key].float(), want[key].float()
+        diff = a - b
+        largest, norm = b.abs().max().item(), b.norm().item()
+        max_abs = diff.abs().max().item()
+        out[key] = {"max_abs": float(f"{max_abs:.3g}"), "max_rel": float(f"{max_abs / max(largest, 1e-30):.3g}"),
+                    "rel_l2": float(f"{diff.norm().item() / max(norm, 1e-30):.3g}")}
+        del a, b, diff
+    return out
+
+
+def disagreements(diff: dict, what: str) -> list[str]:
+    """What in agreement()'s figures is over KERNEL_RTOL (or not a number)."""
+    return [f"{what}: {key} differs by {d['max_rel']:.3g} of its largest magnitude and {d['rel_l2']:.3g} in norm "
+            f"(tolerance {KERNEL_RTOL})" for key, d in diff.items()
+            if not (d["max_rel"] <= KERNEL_RTOL and d["rel_l2"] <= KERNEL_RTOL)]
+
+
+def kernel_check() -> dict:
+    """The kernel check on this process's GPU (see the module's docstring): its JSON record, ok when the kernels
+    agree, varlen runs at KERNEL_LONG_ROW's length and holds less there than sdpa's mask would."""
+    import torch
+    rec = {"check": "kernel", "ok": False, "error": None, **KERNEL_SHAPE, "dtype": "bfloat16", "rtol": KERNEL_RTOL}
+    if not torch.cuda.is_available():
+        rec["error"] = "no CUDA GPU"
+        return rec
+    rec.update(name=torch.cuda.get_device_name(0), torch=torch.__version__)
+    bf16, problems = torch.bfloat16, []
+    try:
+        for kernel in ("varlen", "sdpa", "per_sequence"):  # the first calls load the kernels: not in the figures
+            attend(packed_row((128, 384), "cuda", bf16), kernel)
+        row = packed_row(KERNEL_ROW, "cuda", bf16)
+        rec["cu_seqlens"] = f"{row['cu'].dtype} on {row['cu'].device}"
+        if row["cu"].dtype != torch.int32 or not row["cu"].is_cuda:
+            problems.append(f"model.sequence_bounds gave cu_seqlens {rec['cu_seqlens']}: varlen takes int32 on the GPU")
+        varlen = attend(row, "varlen")
+        sdpa = attend(row, "sdpa")
+        diff = agreement(varlen, sdpa)
+        rec["row"] = {"lengths": row["lengths"], "tokens": sum(row["lengths"]), "diff": diff,
+                      "peak_mib": {"varlen": varlen["peak_mib"], "sdpa": sdpa["peak_mib"]},
+                      "seconds": {"varlen": varlen["seconds"], "sdpa": sdpa["seconds"]}}
+        problems += disagreements(diff, f"varlen against sdpa at {sum(row['lengths'])} tokens")
+        # figures only: each against fp32 (sdpa per sequence), to tell which kernel is off should they disagree
+        exact = attend(dict(row, **{name: row[name].float() for name in ("q", "k", "v", "proj")}), "per_sequence")
+        rec["row"]["diff_fp32"] = {"varlen": agreement(varlen, exact), "sdpa": agreement(sdpa, exact)}
+        del row, varlen, sdpa, exact
+        torch.cuda.empty_cache()
+        row = packed_row(KERNEL_LONG_ROW, "cuda", bf16)
+        tokens = sum(row["lengths"])
+        mask_mib = round(tokens * tokens / 2**20)
+        rec["long"] = {"lengths": row["lengths"], "tokens": tokens, "sdpa_mask_mib": mask_mib}
+        varlen = attend(row, "varlen")
+        rec["long"].update(peak_mib={"varlen": varlen["peak_mib"]}, seconds={"varlen": varlen["seconds"]})
+        if varlen["peak_mib"] >= mask_mib:
+            problems.append(f"varlen took {varlen['peak_mib']} MiB over its inputs at {tokens} tokens: no less than "
+                            f"sdpa's [L, L] mask alone ({mask_mib} MiB)")
+        reference = attend(row, "per_sequence")
+        rec["long"]["peak_mib"]["per_sequence"] = reference["peak_mib"]
+        rec["long"]["seconds"]["per_sequence"] = reference["seconds"]
+        rec["long"]["diff"] = diff = agreement(varlen, reference)
+        problems += disagreements(diff, f"varlen against sdpa on each sequence at {tokens} tokens")
+    except Exception as e:  # out of memory, or a kernel refusing its arguments: the check failed, with why
+        problems.append(f"{type(e).__name__}: {e}")
+    rec["ok"] = not problems
+    rec["error"] = "; ".join(problems) or None
+    return rec
+
+
+def run_kernel_check(env: dict, cmd: list[str], timeout: float) -> dict:
+    """The kernel check in a process of its own (kernel_command), so that its CUDA memory is gone before the runs
+    start: its JSON record, or one that says why there was none."""
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"check": "kernel", "ok": False, "error": f"timed out after {timeout:.0f} s (--timeout)"}
+    for line in reversed(proc.stdout.strip().splitlines()):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("check") == "kernel":
+            return rec
+    return {"check": "kernel", "ok": False,
+            "error": f"exit status {proc.returncode}, no result; stderr tail:\n{proc.stderr[-3000:]}"}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, default=0, help="GPUs to use, the first N visible (default: all)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, one a line, and exit: no GPU needed")
     p.add_argument("--work", default="", help="folder for the models, data and runs (default: a new temporary one)")
-    p.add_argument("--timeout", type=float, default=540, help="seconds a run may take before it is killed")
+    p.add_argument("--timeout", type=float, default=540, help="seconds a run (or the kernel check) may take before "
+                                                              "it is killed")
+    p.add_argument("--kernel", action="store_true", help="the kernel check alone, on the first visible GPU: its "
+                                                         "JSON line; exit 1 when it fails")
     args = p.parse_args()
+    if args.kernel:
+        rec = kernel_check()
+        print(json.dumps(rec), flush=True)
+        return 0 if rec["ok"] else 1
     if args.dry_run:
         if args.gpus < 1:
             p.error("--dry-run needs --gpus N (N >= 1)")
         work = args.work or os.path.join(tempfile.gettempdir(), "ulorl_gpu_check")
-        for run in plan_runs([str(i) for i in range(args.gpus)], work):
-            print(shell_line(run))
+        visible = [str(i) for i in range(args.gpus)]
+        print("# the kernel check: varlen against sdpa on packed rows, on one GPU in a process of its own")
+        print(shell_line(*kernel_command(visible[0])))
+        for i, phase in enumerate(plan_runs(visible, work), 1):
+            after = f", after phase {i - 1}" if i > 1 else ""
+            print(f"# phase {i}{after}: {len(phase)} run(s) at the same time, on GPUs of their own")
+            for run in phase:
+                print(shell_line(run.env, run.cmd))
         return 0
     import torch
     detected = torch.cuda.device_count()
@@ -392,17 +623,24 @@ def main() -> int:
     visible = [g.strip() for g in visible.split(",")][:detected] if visible else [str(i) for i in range(detected)]
     visible = visible[:args.gpus or detected]
     work = args.work or tempfile.mkdtemp(prefix="ulorl_gpu_check_")
-    runs = plan_runs(visible, work)
+    phases = plan_runs(visible, work)
     t0 = time.time()
-    make_models(work, [r.model for r in runs])
+    kernel = run_kernel_check(*kernel_command(visible[0]), args.timeout)
+    print(json.dumps(kernel), flush=True)
+    t1 = time.time()
+    make_models(work, list(dict.fromkeys(r.model for phase in phases for r in phase)))
     make_data(os.path.join(work, "data.jsonl"))
-    build_s = time.time() - t0
-    results = execute(runs, args.timeout)
-    for r in results:
-        print(json.dumps(r), flush=True)
-    failed = [f"{r['placement']}/{r['model']}" for r in results if not r["ok"]]
+    build_s = time.time() - t1
+    results = []
+    for phase in phases:  # one after the other: a phase's runs share no GPU, the phases do
+        for r in execute(phase, args.timeout):
+            print(json.dumps(r), flush=True)
+            results.append(r)
+    failed = ([] if kernel["ok"] else ["kernel"]) + \
+        [f"{r['placement']}/{r['variant']}/{r['model']}" for r in results if not r["ok"]]
     print(json.dumps({"check": "gpu", "gpus": len(visible), "name": torch.cuda.get_device_name(0),
-                      "ok": not failed, "failed": failed, "runs": len(results), "build_s": round(build_s, 1),
+                      "ok": not failed, "failed": failed, "runs": len(results), "phases": len(phases),
+                      "kernel_s": round(t1 - t0, 1), "build_s": round(build_s, 1),
                       "wall_s": round(time.time() - t0, 1), "work": work}), flush=True)
     return 1 if failed else 0
 
