@@ -14,13 +14,18 @@ b = 4: a bf16 run keeps fp32 master weights in every mode, and c = bytes of the 
   reference (KL only)     P x b under FSDP (sharded like the masters), else P x c
   gathered                FSDP: the root's parameters (embeddings, lm_head) and two decoder layers (the one
                           computing and the next, prefetched) in the compute dtype
-  activations             per decoder layer for T = --max-tokens-per-micro-batch tokens: kept for every layer
-                          (or, with --gradient-checkpointing, only each layer's input, plus one layer's
-                          activations while it is recomputed in the backward)
-  attention               with a mask (eager, or sdpa on CPU): heads x L x L scores for rows of L tokens
-                          (packed: L = T); flash attention keeps none
+  activations             per decoder layer for T = --max-tokens-per-micro-batch tokens (under --sp N, T / N on
+                          each rank): kept for every layer (or, with --gradient-checkpointing, only each layer's
+                          input, plus one layer's activations while it is recomputed in the backward)
+  all-to-all (--sp)       a layer's q, k, v and attention output at the whole row's length for heads / N, sent
+                          and received (every layer's without checkpointing)
+  attention               with a mask, for rows of L tokens (packed: L = T): sdpa keeps an [L, L] float mask per
+                          layer (eager: heads x L x L scores per layer); under --sp on CPU one mask shared by
+                          every layer; varlen and flash attention keep none
   lm_head                 512 positions at a time: 4 x [512, V] fp32 (logits, log-softmax, probabilities,
                           their gradient)
+--offload-optimizer true (FSDP): weights, gradients, AdamW moments (and the reference) move to the host; the GPU
+keeps each gathered layer's fp32 shard on its way in. Per node, host memory is then every rank's share of them.
 Per trainer process's host: the rollout's records (ids, log-probs, versions: HOST_BYTES_PER_TOKEN a token) of
 every sample in flight at full length on rank 0, and the step's batch, pickled and unpickled, on every rank.
 Per engine GPU (vLLM, tensor-parallel over --rollout-tp): its weights / tp, and the KV cache of one sample
@@ -147,8 +152,13 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
     kept = shape.layers * T * shape.hidden * c + per_layer if cfg.gradient_checkpointing else shape.layers * per_layer
     activations = kept + per_layer
     rows_len = L if cfg.pack else min(L, cfg.max_prompt_len + cfg.max_response_len)
-    attention = 0 if cfg.attn_implementation.startswith("flash") or cfg.attn_implementation == "varlen" else \
-        shape.heads // sp * rows_len * rows_len * c * (L // rows_len)
+    if cfg.attn_implementation.startswith("flash") or cfg.attn_implementation == "varlen":
+        attention = 0
+    elif sp > 1:  # model.packed_attention's sdpa: one additive [L, L] mask, shared by the layers
+        attention = rows_len * rows_len * c
+    else:  # transformers' sdpa: each layer keeps its float copy of the boolean mask (eager: every head's scores)
+        attention = (shape.heads if cfg.attn_implementation == "eager" else 1) * shape.layers * rows_len * rows_len \
+            * c * (L // rows_len)
     state = {"weights": P * b // shards, "gradients": P * b // shards, "AdamW moments": 2 * P * b // shards}
     trainer = {k: 0 for k in state} if offload else dict(state)
     if c != b and shards == 1:
@@ -366,23 +376,29 @@ def check(work: str, only: str = "") -> list[dict]:
         for _ in range(200):
             prompt = "+".join(str(rng.randint(1, 9)) for _ in range(rng.randint(2, 5))) + "="
             f.write(json.dumps({"prompt": prompt, "answer": [{"type": "max_words", "n": 4}], "verifier": "ifeval"}) + "\n")
+    long_data = os.path.join(work, "long.jsonl")  # ~950-token prompts: full 4096-token micro-batches whatever the
+    with open(long_data, "w") as f:  # random model's responses (it stops after ~17 tokens)
+        for _ in range(200):
+            prompt = "+".join(str(rng.randint(1, 9)) for _ in range(rng.randint(450, 475))) + "="
+            f.write(json.dumps({"prompt": prompt, "answer": [{"type": "max_words", "n": 4}], "verifier": "ifeval"}) + "\n")
     # smaller steps for the larger model, with micro-batches still full on each of 2 ranks (~700 tokens each)
     small = ["--prompts-per-step", "8", "--group-size", "4", "--train-groups", "8", "--max-response-len", "32",
              "--segments", "2", "--max-tokens-per-micro-batch", "512"]
-    # responses that run to 1000 tokens (a random model rarely stops), packed 4096 to a micro-batch: activations
-    # and attention dominate, which --sp splits
-    long = ["--prompts-per-step", "4", "--group-size", "4", "--train-groups", "4", "--max-response-len", "1000",
-            "--segments", "1", "--max-tokens-per-micro-batch", "4096", "--pack", "true", "--engine", "hf"]
+    # samples of ~1000 tokens packed 4096 to a micro-batch: activations and attention dominate, which --sp splits
+    long = ["--data", long_data, "--prompts-per-step", "4", "--group-size", "4", "--train-groups", "4",
+            "--max-prompt-len", "1024", "--max-response-len", "64", "--segments", "1",
+            "--max-tokens-per-micro-batch", "4096", "--pack", "true", "--engine", "hf"]
     cases = [("tiny dense", 1, []), ("tiny dense", 2, []), ("tiny MoE", 1, ["--data", data]),
              ("tiny MoE", 2, ["--data", data]), ("150M dense", 1, ["--data", data, *small]),
              ("150M dense", 2, ["--data", data, *small]),
              ("150M dense", 1, ["--data", data, *small, "--gradient-checkpointing", "true"]),
              ("150M dense", 2, ["--data", data, *small, "--offload-optimizer", "true"]),
-             ("3M long-context", 2, ["--data", data, *long]), ("3M long-context", 2, ["--data", data, *long, "--sp", "2"])]
+             ("3M long-context", 2, long), ("3M long-context", 2, [*long, "--sp", "2"])]
     rows = []
-    for name, ranks, flags in [c for c in cases if only in c[0]]:
-        ckpt = "--gradient-checkpointing" in flags
-        variant = "ckpt" if ckpt else "sp2" if "--sp" in flags else "offload" if "--offload-optimizer" in flags else ""
+    label = lambda flags: ("ckpt" if "--gradient-checkpointing" in flags else "sp2" if "--sp" in flags else
+                           "offload" if "--offload-optimizer" in flags else "")
+    for name, ranks, flags in [c for c in cases if only in f"{c[0]} x{c[1]} {label(c[2])}"]:
+        variant = label(flags)
         out = os.path.join(work, f"{name.replace(' ', '_')}_{ranks}{'_' + variant if variant else ''}")
         launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
                                        if ranks > 1 else [])
@@ -433,7 +449,7 @@ if __name__ == "__main__":
                                             "trainings; `load` (under torchrun) measures one rank's loading peak")
     p.add_argument("command", choices=["check", "load"])
     p.add_argument("--dir", default="", help="check: where the models and runs go (default: a temporary directory)")
-    p.add_argument("--only", default="", help="check: only the models whose name contains this (e.g. 150M)")
+    p.add_argument("--only", default="", help="check: only the runs whose '<model> x<ranks> <variant>' contains this (e.g. 150M, 'x2 sp2')")
     p.add_argument("--model", default="", help="load: the model directory")
     p.add_argument("--whole", action="store_true", help="load: every rank loads the whole model, then shards")
     args = p.parse_args()
