@@ -74,6 +74,12 @@ def test_memory():
     assert all(isinstance(x[0], (int, float)) for x in r["peak_mb"].values()), r
 
 
+def test_sp():
+    r = last_json(run_bench("sp", "--lengths", "64,128", "--rounds", "1"))
+    assert r["bench"] == "sp" and [row["tokens"] for row in r["rows"]] == [64, 128]
+    assert all(row["sp1_s"] > 0 and row["sp2_s"] > 0 for row in r["rows"]), r
+
+
 def test_trl(tmp_path):
     if importlib.util.find_spec("trl") is None:  # an optional dependency: the mode says how to get it
         p = run_bench("trl", "--dir", str(tmp_path), timeout=60)
