@@ -85,10 +85,10 @@ def test_dry_run_placements(n):
         used = [g for env, _, _ in phase for g in env["CUDA_VISIBLE_DEVICES"].split(",")]
         assert len(used) == len(set(used)) and set(used) <= {str(i) for i in range(n)}, "runs at once share no GPU"
     assert len(phases[0]) == (2 if n == 8 else 1), "the dense model runs only on GPUs left idle"
-    for env, words, flags in phases[0]:  # packed rows through varlen under FSDP2, as the preset trains
-        fsdp = launcher(words)[0]
-        assert flags["--pack"] == ("true" if fsdp else "false")
-        assert flags["--attn-implementation"] == ("varlen" if fsdp else "sdpa")
+    for env, words, flags in phases[0]:  # packed rows through varlen, as the preset trains; padded ones when split
+        split = not launcher(words)[0] and "--rollout-gpus" in flags
+        assert flags["--pack"] == ("false" if split else "true")
+        assert flags["--attn-implementation"] == ("sdpa" if split else "varlen")
         assert flags["--sp"] == "1" and flags["--offload-optimizer"] == "false", "never left to the memory plan"
     if n >= 4:  # the fsdp runs again, same GPUs and placement, with SP over both ranks and the optimizer offloaded
         again = [c for c in phases[0] if launcher(c[1])[0]]
@@ -131,7 +131,7 @@ def test_train_accepts_the_commands(tmp_path):
     check.make_data(str(tmp_path / "data.jsonl"))
     runs = {(r.placement, r.variant): r for n in (1, 2, 4) for phase in check.plan_runs(
         [str(i) for i in range(n)], str(tmp_path)) for r in phase}
-    assert set(runs) == {("colocated", "unpacked"), ("split", "unpacked"), ("fsdp", "packed"),
+    assert set(runs) == {("colocated", "packed"), ("split", "unpacked"), ("fsdp", "packed"),
                          ("fsdp", "sp2_offload")}
     for (name, variant), r in runs.items():
         env = {**os.environ, **r.env, "CUDA_VISIBLE_DEVICES": ""}

@@ -21,7 +21,8 @@ Placements of the training runs, by the number N of GPUs used (those visible; --
   split      N = 2-3: one trainer process on cuda:0, vLLM on the others (TP 2 on 3 GPUs, 1 on 2); NCCL.
              Checks the engine on GPUs of its own without torchrun. Unpacked rows through sdpa.
   colocated  N = 1: one trainer process, vLLM on the same GPU, asleep during the update; CUDA IPC.
-             Checks sleep/wake and IPC sync with a long-context KV cache beside the trainer. Unpacked, sdpa.
+             Checks sleep/wake and IPC sync with a long-context KV cache beside the trainer. Packed rows
+             through the varlen kernel (a one-GPU machine trains as the preset does).
 The MoE model runs in N's placement. The dense model (tied embeddings) runs only where it costs no time: on
 the GPUs that placement leaves idle (N >= 5), at the same time, in the spare count's placement.
 
@@ -79,8 +80,8 @@ TEMPERATURE, LR, STEPS = 0.85, 1e-5, 4  # at 1e-4 one AdamW step reshapes a rand
 MEAN_LEN = 256  # eos_bias sets P(EOS) ~ 1/MEAN_LEN a token: responses of ~MEAN_LEN tokens on average, geometric
 GAP_KEYS = ("rollout/engine_kl", "rollout/logprob_diff_mean", "rollout/logprob_diff_p99", "rollout/logprob_diff_max")
 # The trainer's rows and parallelism, by variant (always given: the ulorl preset leaves --sp and
-# --offload-optimizer to the memory plan). "unpacked": padded rows through sdpa (split, colocated). "packed": packed
-# rows through the varlen kernel, as the preset trains (fsdp). "sp2_offload": that with Ulysses sequence parallelism
+# --offload-optimizer to the memory plan). "unpacked": padded rows through sdpa (split). "packed": packed
+# rows through the varlen kernel, as the preset trains (fsdp, colocated). "sp2_offload": that with Ulysses sequence parallelism
 # over the two trainer ranks and FSDP2's optimizer offload (fsdp, second phase).
 VARIANTS = {
     "unpacked": {"--pack": "false", "--attn-implementation": "sdpa", "--sp": "1", "--offload-optimizer": "false"},
@@ -152,7 +153,7 @@ def plan_runs(visible: list[str], work: str, python: str = sys.executable) -> li
             break
         name, used, launcher = placement(len(free))
         gpus, free = free[:used], free[used:]
-        first.append(make_run(name, model, gpus, launcher, "packed" if name == "fsdp" else "unpacked", work, python))
+        first.append(make_run(name, model, gpus, launcher, "unpacked" if name == "split" else "packed", work, python))
     second = [make_run(r.placement, r.model, r.gpus, placement(len(r.gpus))[2], "sp2_offload", work, python)
               for r in first if r.placement == "fsdp"]
     return [first, second] if second else [first]
