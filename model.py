@@ -533,6 +533,52 @@ def attention_name(implementation: str, sp: int) -> str:
 register_attention()
 
 
+# ------------------------------------------------------------------ Mixture-of-Experts routing replay
+#
+# In bf16 a rollout engine and the trainer often route the same token to different experts (reports: ~10% of
+# router decisions on Qwen3-30B-A3B), and the importance ratio then measures router noise as much as policy
+# change. Rollout routing replay trains each token through the experts the engine chose when it sampled it,
+# with gate weights from the trainer's own router over those experts, so the router still learns. transformers'
+# Qwen3MoeSparseMoeBlock.forward takes no routing argument: a forward hook on each layer's router (its `gate`)
+# swaps the experts it chose, here and nowhere else. Not yet wired into the engines, samples and checkpoints.
+
+
+class Routing:
+    """The experts each Mixture-of-Experts layer of `lm` routes each token to, recorded from its forwards or
+    replayed into them. Tokens are the rows of the router's input, in order ([rows x positions] of the
+    micro-batch). Set `replay` to one [tokens, top_k] id tensor per layer (-1 rows: the router's own choice)
+    before a forward; it stays set until changed, so gradient checkpointing's recompute in the backward replays
+    the same ids. `recorded`, when a list, gets each layer's ids as used, per forward."""
+
+    def __init__(self, lm):
+        self.gates = [layer.mlp.gate for layer in lm.get_decoder().layers
+                      if hasattr(getattr(layer.mlp, "gate", None), "top_k")]
+        if not self.gates:
+            raise ValueError(f"{type(lm).__name__} has no Mixture-of-Experts layers: routing replay is for MoE models")
+        self.replay: list[torch.Tensor] | None = None
+        self.recorded: list | None = None
+        for i, gate in enumerate(self.gates):
+            gate.register_forward_hook(functools.partial(self._route, i))
+
+    def _route(self, layer: int, gate, args, output):
+        logits, weights, ids = output
+        if self.replay is not None:
+            chosen = self.replay[layer].to(ids.device)
+            ids = torch.where(chosen < 0, ids, chosen)
+            weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, ids)  # its own router's weights
+            if gate.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+            weights = weights.to(logits.dtype)
+        if self.recorded is not None:
+            self.recorded.append(ids.detach())
+        return logits, weights, ids
+
+
+def routing_mismatch(own: torch.Tensor, replayed: torch.Tensor) -> float:
+    """The fraction of (token, layer) decisions whose set of experts differs: [..., top_k] ids each."""
+    return (own.sort(-1).values != replayed.sort(-1).values).any(-1).float().mean().item()
+
+
 class Policy(torch.nn.Module):
     """The trainer's forward as one module: micro-batch -> (log-probs, entropy) of its response tokens.
     DDP and FSDP2 act through a module's forward (gradient hooks; all-gathers of sharded parameters), so the
