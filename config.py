@@ -139,8 +139,9 @@ class Config:
                                                  "or rows x longest with --pack false; a longer sample goes alone",
                                            ok=at_least(1))
     pack: bool = flag(False, "pack micro-batches: sequences back to back in one row, positions restarting, no "
-                             "attention across them; same loss as padding. Pays off with --attn-implementation "
-                             "flash_attention_2; with sdpa/eager the row gets a dense [L, L] mask (slower on CPU)")
+                             "attention across them; same loss as padding. Pays off on GPU with the varlen kernel "
+                             "(--attn-implementation auto); with sdpa/eager the row gets a dense [L, L] mask "
+                             "(slower on CPU). Needed by --sp")
     attn_implementation: str = flag("auto", "the trainer's attention kernel: varlen (torch's FlashAttention kernels "
                                             "for packed rows: GPU, bf16/fp16, --pack; no [L, L] scores), sdpa (on "
                                             "CPU; a packed row gets an [L, L] mask), eager, flash_attention_2 (needs "
@@ -360,9 +361,9 @@ def config_problems(cfg: Config) -> list[str]:
     if cfg.ref_reset_on_stall and not (cfg.eval_data and cfg.eval_every):
         out.append(f"--ref-reset-on-stall {cfg.ref_reset_on_stall} counts held-out evaluations: give --eval-data and "
                    f"--eval-every > 0")
-    if cfg.sp != 1 and not cfg.pack:
+    if cfg.sp > 1 and not cfg.pack:
         out.append(f"--sp {cfg.sp}: sequence parallelism splits packed rows; add --pack true")
-    if cfg.sp != 1 and cfg.attn_implementation not in ("sdpa", "varlen"):
+    if cfg.sp > 1 and cfg.attn_implementation not in ("sdpa", "varlen"):
         out.append(f"--sp {cfg.sp} with --attn-implementation {cfg.attn_implementation}: sequence parallelism runs "
                    f"varlen (GPU) or sdpa (CPU) between its all-to-alls")
     if cfg.attn_implementation == "varlen" and (cfg.dtype == "float32" or not cfg.pack or

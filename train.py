@@ -117,7 +117,8 @@ def fit_parallelism(cfg: Config, world: int, config) -> None:
     (the ulorl preset's) chosen from the memory plan (plan.choose), after place()."""
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
-    sizes = [n for n in tensor_parallel_sizes(heads, kv, world) if world % n == 0] if cfg.pack else [1]
+    splits = cfg.pack and cfg.attn_implementation in ("sdpa", "varlen")  # what --sp runs on (config_problems)
+    sizes = [n for n in tensor_parallel_sizes(heads, kv, world) if world % n == 0] if splits else [1]
     if cfg.sp > 1 and cfg.sp not in sizes:
         raise ValueError(f"--sp {cfg.sp}: a sequence-parallel size divides the {world} trainer rank(s) and the model's "
                          f"{heads} attention heads, and divides its {kv} KV heads or is a multiple of them: "

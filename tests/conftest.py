@@ -83,3 +83,11 @@ def lm(tok):
     ends some responses and the caps end others."""
     import tiny
     return tiny.make_model(tok, seed=0).eval()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for process groups a test starts itself)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

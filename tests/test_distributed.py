@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import kill_group, run, start
+from conftest import free_port, kill_group, run, start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow  # torchrun runs of several steps: -m "not slow" skips them
@@ -227,12 +227,8 @@ def test_optimizer_offload_is_applied_and_changes_nothing_on_cpu(runs, tmp_path)
     """--offload-optimizer true is FSDP2's CPUOffloadPolicy on every sharded module; on CPU it moves nothing
     (pin_memory off), so the run is bit-identical to the one without (what it saves on a GPU, the GPU check
     measures)."""
-    import socket
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_offload_worker, (2, port), nprocs=2)
+    mp.spawn(_offload_worker, (2, free_port()), nprocs=2)
     proc = train_run(tmp_path, "--steps", "4", "--parallel", "fsdp", "--offload-optimizer", "true")
     assert "optimizer state in host memory" in proc.stdout
     for step in (2, 4):

@@ -7,7 +7,6 @@ replicated; whole runs under torchrun with --sp 2 end where one process ends and
 """
 import json
 import os
-import socket
 import sys
 
 import pytest
@@ -18,7 +17,7 @@ from safetensors.torch import load_file
 
 import model as model_lib
 import tiny
-from conftest import run
+from conftest import free_port, run
 from test_distributed import records, rel_diff, weights
 from segment_rollout import Sample
 
@@ -72,12 +71,6 @@ def test_packed_kernel_gives_transformers_packed_forward(moe):
     lm = make(moe, "ulorl_sdpa")
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     assert torch.equal(lm(ids).logits, make(moe, "sdpa")(ids).logits)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sp_worker(rank, world, port, moe, out):
