@@ -4,13 +4,14 @@ A checkpoint `step_NNNNNN/` holds HF-format weights (safetensors, gathered param
 shards; `AutoModelForCausalLM.from_pretrained` and vLLM load it), the reference model (`reference/`), one
 optimizer + scheduler + RNG state per trainer rank (`trainer_state_rankN.pt`), and `ulorl_state.json`: the
 unfinished samples, the experience pool and the ready groups, the run state (step, policy version, data
-cursor), Python's RNG, the config. `manifest.json` lists the size and sha256 of every file. The weights, the
-optimizer states and the run state are hashed as they are written (model.HashingWriter), so a save reads
-nothing back; the few small files a library writes itself (config, tokenizer) are read back. Resume checks
-every file against its digest: one flipped bit anywhere is caught, at the cost of reading the checkpoint once
-(a 30B policy + reference + AdamW in fp32 is ~0.7 TB over all ranks: minutes at a few GB/s). Everything is written to
-`step_NNNNNN.tmp`, fsynced, then renamed (a step saved again, on the engine-failure path, is swapped in with
-one renameat2(RENAME_EXCHANGE)): at every instant a complete checkpoint is there, the old or the new.
+cursor), Python's RNG, the config; `routing.pt`: the samples' Mixture-of-Experts routing (--routing-replay).
+`manifest.json` lists the size and sha256 of every file. The weights, the optimizer states and the run state
+are hashed as they are written (model.HashingWriter), so a save reads nothing back; the few small files a
+library writes itself (config, tokenizer) are read back. Resume checks every file against its digest: one
+flipped bit anywhere is caught, at the cost of reading the checkpoint once (a 30B policy + reference + AdamW
+in fp32 is ~0.7 TB over all ranks: minutes at a few GB/s). Everything is written to `step_NNNNNN.tmp`,
+fsynced, then renamed (a step saved again, on the engine-failure path, is swapped in with one
+renameat2(RENAME_EXCHANGE)): at every instant a complete checkpoint is there, the old or the new.
 
 A run holds `--out/.lock` (an exclusive flock, rank 0, for its whole life): a second run on the same --out is
 refused instead of mixing its records and checkpoints with the first's. flock is local to one machine: it
@@ -124,10 +125,16 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
     model_lib.barrier()
     if lead:
         run_state = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "ready"}
-        pool_state = {"unfinished": [dataclasses.asdict(s) for s in pools.unfinished],
-                      "experience": [dataclasses.asdict(s) for g in pools.experience.values() for s in g],
-                      "ready": [[dataclasses.asdict(s) for s in g] for g in state.ready],
+        pool_state = {"unfinished": [sample_record(s) for s in pools.unfinished],
+                      "experience": [sample_record(s) for g in pools.experience.values() for s in g],
+                      "ready": [[sample_record(s) for s in g] for g in state.ready],
                       "next_uid": pools.next_uid, "next_group": pools.next_group}
+        routes = {s.uid: s.routing for s in pools.unfinished + [s for g in [*pools.experience.values(), *state.ready]
+                                                              for s in g] if s.routing is not None}
+        if routes:  # --routing-replay: layers x top_k bytes a token, binary beside the JSON
+            with model_lib.HashingWriter(os.path.join(tmp, "routing.pt")) as f:
+                torch.save(routes, f)
+            digests["routing.pt"] = f.digest()
         with model_lib.HashingWriter(os.path.join(tmp, "ulorl_state.json")) as f:
             f.write(json.dumps({"config": dataclasses.asdict(cfg), "git": git, **run_state,
                                 "world_size": model_lib.world(), "python_rng": random.getstate(),
@@ -295,6 +302,11 @@ def clear_run(out: str) -> list[str]:
     return held
 
 
+def sample_record(s: Sample) -> dict:
+    """A sample's fields for ulorl_state.json (its routing goes to routing.pt)."""
+    return {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "routing"}
+
+
 def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=None) -> None:
     """The state save() wrote (the weights were loaded with the model); every rank reads its own optimizer
     state, so a sharded run resumes on the same number of ranks. A bf16 run's fp32 master weights replace
@@ -328,3 +340,7 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
         if f.name in saved and f.name != "ready":
             setattr(state, f.name, saved[f.name])
     state.ready = [[Sample(**d) for d in g] for g in p["ready"]]
+    if os.path.exists(os.path.join(path, "routing.pt")):
+        routes = torch.load(os.path.join(path, "routing.pt"), weights_only=True)
+        for s in pools.unfinished + [s for g in [*pools.experience.values(), *state.ready] for s in g]:
+            s.routing = routes.get(s.uid)

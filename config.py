@@ -193,6 +193,12 @@ class Config:
                                  ok=(lambda v: v == 0 or v > 1, "must be 0 (off) or > 1"))
     on_engine_kl: str = flag("stop", "stop (before the update) or warn when the engine/trainer KL check fails: a "
                                      "wrong engine silently trains on garbage", choices=["stop", "warn"])
+    routing_replay: str = flag("false", "Mixture-of-Experts models: the engine returns the experts each layer "
+                                        "routed every token to (uint8 ids, kept with the samples and checkpoints) "
+                                        "and the trainer's forwards use them, with gate weights from its own router "
+                                        "(rollout routing replay); record: keep and compare them "
+                                        "(rollout/routing_mismatch), never replay. vLLM: GPU only (its V2 model runner)",
+                               choices=["false", "true", "record"])
     tis_cap: float = flag(0.0, "truncated importance sampling: weight each token's loss by min(pi_old / "
                                 "pi_behaviour, cap); corrects the engine/trainer mismatch on tokens the current "
                                 "weights sampled and, under pois, also the version gap of older segments; 0 = off",

@@ -44,6 +44,9 @@ class Generation:
     tokens: list[int]
     logprobs: list[float]
     finish: str  # "stop" | "length"
+    # an engine recording Mixture-of-Experts routing (--routing-replay): the experts of every position it computed,
+    # [context + tokens - 1, layers, top_k]; position p sampled the token at p + 1
+    routing: torch.Tensor | None = None
 
 
 MASK64 = (1 << 64) - 1
@@ -118,9 +121,12 @@ class HFEngine:
     of similar context length together (length_buckets) and merge their caches for one decode loop; off,
     the whole batch is prefilled left-padded to its widest row. Tokens are the same either way (keyed draws)."""
 
-    def __init__(self, model, stop_ids: list[int], pad_id: int, seed: int = 0, bucket: bool = True):
+    def __init__(self, model, stop_ids: list[int], pad_id: int, seed: int = 0, bucket: bool = True,
+                 routing: bool = False):
         self.model, self.stop_ids, self.pad_id, self.seed = model, torch.tensor(stop_ids), pad_id, seed
         self.bucket = bucket
+        # --routing-replay: record the experts of every position it computes (model.Routing's hooks)
+        self.routing = model_lib.Routing.of(model) if routing else None
         self.generator = torch.Generator().manual_seed(seed)  # only for requests sent without keys
         self.prefill_tokens = 0  # rows x width of every prefill forward, padding included (bench.py reads it)
 
@@ -158,9 +164,10 @@ class HFEngine:
     def prefill(self, prompts: list[list[int]], width: int, device):
         """Forward every prompt: (last-position logits [B, V], KV cache of width `width`). Bucketed, each group of
         similar lengths runs padded to its own widest, and its cache is left-padded with zeros to `width` (the
-        attention mask hides those columns) and joined back in request order."""
+        attention mask hides those columns) and joined back in request order. Recording routing, also each
+        request's experts per context position ([length, layers, top_k]; else Nones)."""
         groups = length_buckets([len(p) for p in prompts]) if self.bucket else [list(range(len(prompts)))]
-        logits, parts = [None] * len(prompts), []
+        logits, parts, routes = [None] * len(prompts), [], [None] * len(prompts)
         for rows in groups:
             w = max(len(prompts[i]) for i in rows)
             ids, attn = self.left_padded([prompts[i] for i in rows], w, device)
@@ -169,16 +176,25 @@ class HFEngine:
             self.prefill_tokens += len(rows) * w
             for j, i in enumerate(rows):
                 logits[i] = out.logits[j, -1]
+            if self.routing is not None:  # each layer's [rows x w, top_k] -> per request, its real positions
+                used = self.recorded_routing().view(len(rows), w, len(self.routing.gates), -1)
+                for j, i in enumerate(rows):
+                    routes[i] = used[j, w - len(prompts[i]):]
             parts.append((rows, out.past_key_values))
         if len(parts) == 1 and parts[0][0] == list(range(len(prompts))):  # one bucket, already in request order
-            return torch.stack(logits), parts[0][1]
+            return torch.stack(logits), parts[0][1], routes
         inverse = torch.tensor([i for rows, _ in parts for i in rows], device=device).argsort()
         layers = []
         for layer in range(len(parts[0][1].layers)):  # each layer's keys and values: [rows, kv heads, w, head dim]
             kv = [[torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0)) for t in
                    (cache.layers[layer].keys, cache.layers[layer].values)] for _, cache in parts]
             layers.append((torch.cat([k for k, _ in kv])[inverse], torch.cat([v for _, v in kv])[inverse]))
-        return torch.stack(logits), DynamicCache(layers, config=self.model.config)
+        return torch.stack(logits), DynamicCache(layers, config=self.model.config), routes
+
+    def recorded_routing(self) -> torch.Tensor:
+        """What the last forward's routers chose, [tokens, layers, top_k] as stored (model.routing_dtype)."""
+        used, self.routing.recorded = self.routing.recorded, []
+        return torch.stack(used, 1).to(model_lib.routing_dtype(self.routing.experts))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,
@@ -199,7 +215,10 @@ class HFEngine:
         n_out = torch.zeros(B, dtype=torch.long, device=device)
         active = budget > 0
         stopped = torch.zeros(B, dtype=torch.bool, device=device)
-        logits, cache = self.prefill(prompts, width, device) if active.any() else (None, None)
+        routing, steps = self.routing, []  # steps: the routing of each decode step's input, [B, layers, top_k]
+        if routing is not None:  # recorded as the router chose, whatever the trainer replays meanwhile
+            saved, (routing.replay, routing.tally, routing.recorded) = (routing.replay, routing.tally), (None, None, [])
+        logits, cache, routes = self.prefill(prompts, width, device) if active.any() else (None, None, [None] * B)
         step_pos = torch.tensor(lengths, device=device)[:, None]  # the next token's position: real tokens so far
         for t in range(max(max_tokens)):
             if not active.any():
@@ -209,6 +228,8 @@ class HFEngine:
                             use_cache=True)
                 cache, logits = out.past_key_values, out.logits[:, -1]
                 step_pos = step_pos + 1
+                if routing is not None:
+                    steps.append(self.recorded_routing())
             logp = process_logits(logits, sampling)  # [B, V]
             u = uniforms(self.seed, keys, [n + t for n in lengths])  # position of the token being drawn
             tok = sample_tokens(logp, u)  # [B]
@@ -222,8 +243,16 @@ class HFEngine:
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
         if was_training:
             model.train()
-        return [Generation(out_tokens[i, :n_out[i]].tolist(), out_logps[i, :n_out[i]].tolist(),
+        gens = [Generation(out_tokens[i, :n_out[i]].tolist(), out_logps[i, :n_out[i]].tolist(),
                            "stop" if stopped[i] else "length") for i in range(B)]
+        if routing is not None:
+            (routing.replay, routing.tally), routing.recorded = saved, None
+            steps = torch.stack(steps) if steps else None  # [steps, B, layers, top_k]
+            for i, g in enumerate(gens):  # the prefill's positions, then each decode step's input but the last's
+                if routes[i] is not None and g.tokens:
+                    g.routing = torch.cat([routes[i], steps[:len(g.tokens) - 1, i]]) if steps is not None \
+                        else routes[i].clone()
+        return gens
 
 
 class VLLMEngine:
@@ -241,8 +270,13 @@ class VLLMEngine:
 
     def __init__(self, path: str, seed: int, dtype: str, max_model_len: int, mem: float, device: str,
                  hf_overrides: dict | None = None, own_process: bool = False, gpus: list[int] | None = None,
-                 tp: int = 1):
-        on_cpu, self.gpus = device == "cpu", gpus or []
+                 tp: int = 1, routing: bool = False):
+        on_cpu, self.gpus, self.routing = device == "cpu", gpus or [], routing
+        if routing:  # vLLM returns routed experts from its V2 model runner only, which needs Triton (a GPU)
+            if on_cpu:
+                raise ValueError("--routing-replay with --engine vllm: vLLM returns routed experts from its V2 model "
+                                 "runner, which the CPU build lacks; on CPU use --engine hf")
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         own_process = own_process or not on_cpu  # on GPU always: CUDA IPC needs two processes
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own_process else "0"  # in-process: ~2 s start
         from vllm import LLM
@@ -266,7 +300,8 @@ class VLLMEngine:
                        enable_prefix_caching=True,  # continued samples re-send their prefix
                        hf_overrides=hf_overrides or {},  # config fields over config.json: YaRN (model.yarn_overrides)
                        tensor_parallel_size=tp, worker_extension_cls="weight_sync.WorkerExtension",
-                       weight_transfer_config=WeightTransferConfig(backend=self.backend), **placement)
+                       weight_transfer_config=WeightTransferConfig(backend=self.backend),
+                       **({"enable_return_routed_experts": True} if routing else {}), **placement)
         self.tp, self.dtype, self.transfer = tp, getattr(torch, dtype), None
         self.asleep: set[str] = set()  # what of a sleeping engine's memory is not back yet: "weights", "kv_cache"
         self.seed = seed
@@ -297,6 +332,8 @@ class VLLMEngine:
             tokens = list(o.token_ids)
             gens[i] = Generation(tokens, [lp[t].logprob for lp, t in zip(o.logprobs, tokens)],
                                  "stop" if o.finish_reason == "stop" else "length")
+            if self.routing:
+                gens[i].routing = vllm_routing(o.routed_experts, len(prompts[i]), len(tokens))
         return gens
 
     def update_weights(self, lm) -> None:
@@ -339,6 +376,17 @@ class VLLMEngine:
         self.asleep -= set(todo)
 
 
+def vllm_routing(routed_experts, context: int, n: int) -> torch.Tensor:
+    """vLLM's CompletionOutput.routed_experts -> Generation.routing. vLLM's array is [positions, layers, top_k]
+    (uint8 up to 256 experts, else uint16), one row for every token it fed through the model: the context's,
+    then each new token but the last (which nothing has read yet)."""
+    if routed_experts is None or routed_experts.shape[0] != context + n - 1:
+        got = None if routed_experts is None else routed_experts.shape[0]
+        raise RuntimeError(f"vLLM returned routed experts for {got} positions, expected {context + n - 1} (a context "
+                           f"of {context} and {n} new tokens): was it started with enable_return_routed_experts?")
+    return torch.from_numpy(routed_experts.astype("uint8" if routed_experts.dtype.itemsize == 1 else "int16"))
+
+
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
@@ -357,17 +405,17 @@ def engine_kind(kind: str, device: str) -> str:
 
 def make_engine(kind: str, model, tokenizer, seed: int, path: str = "", max_model_len: int = 0, mem: float = 0.0,
                 device: str = "cpu", dtype: str = "float32", hf_overrides: dict | None = None,
-                own_process: bool = False, gpus: list[int] | None = None, tp: int = 1):
+                own_process: bool = False, gpus: list[int] | None = None, tp: int = 1, routing: bool = False):
     """`kind` is --engine (engine_kind). The HF engine samples with `model`; vLLM loads the weights in
     `path` (a local directory or a hub name). `hf_overrides`: config fields vLLM sets over config.json (YaRN,
     model.yarn_overrides); the HF engine needs none, its module already has them. `gpus`, `tp`: vLLM on GPUs
-    of its own, tensor-parallel over `tp` of them."""
+    of its own, tensor-parallel over `tp` of them. `routing`: return each token's experts (Generation.routing)."""
     if engine_kind(kind, device) == "vllm":  # mem 0: 0.25 GiB of KV cache on CPU, 0.9 of a GPU it owns
         return VLLMEngine(path, seed, dtype, max_model_len, mem or (0.25 if device == "cpu" else 0.9), device,
-                          hf_overrides, own_process, gpus, tp)
+                          hf_overrides, own_process, gpus, tp, routing)
     if gpus:
         raise ValueError(f"--rollout-gpus {gpus}: GPUs of its own are for the vLLM engine (pip install vllm==0.32.0)")
-    return HFEngine(model, stop_ids(tokenizer, model), tokenizer.pad_token_id, seed)
+    return HFEngine(model, stop_ids(tokenizer, model), tokenizer.pad_token_id, seed, routing=routing)
 
 
 def stop_ids(tokenizer, model) -> list[int]:

@@ -223,6 +223,8 @@ class MicroBatch:
     versions: torch.Tensor  # [b, T]: the policy version that sampled each token (-1 on padding)
     rewards: torch.Tensor  # [b]
     truncated: torch.Tensor  # [b] bool
+    replay: torch.Tensor | None = None  # [layers, rows x L, top_k]: the engine's experts per position (replay_layout)
+    replay_versions: torch.Tensor | None = None  # [rows x L]: the policy version that routed each position
     # filled by the update
     adv: torch.Tensor | None = None  # [b]
     old: torch.Tensor | None = None  # [b, T]: pi_old
@@ -230,6 +232,7 @@ class MicroBatch:
     loss_mask: torch.Tensor | None = None  # [b, T] bool: the tokens the loss averages over (its denominator)
     pg_mask: torch.Tensor | None = None  # [b, T] bool: the loss_mask tokens whose policy-gradient term trains
     empty: bool = False  # a stand-in that trains nothing (ranks with fewer micro-batches run these)
+    tally: dict | None = None  # set around one forward: count its routing mismatch (Routing.use)
 
     def to(self, device) -> "MicroBatch":
         for f in fields(self):
@@ -289,7 +292,7 @@ def collate(samples: list, pad_id: int, device="cpu", pack: bool = True) -> Micr
         for i, seq in enumerate(seqs):
             ids[i, :len(seq)] = torch.tensor(seq)
             attn[i, :len(seq)] = 1
-        starts = [0] * len(samples)
+        starts = [i * L for i in range(len(samples))]  # in the router's [rows x L] token order
     resp_mask = torch.zeros((len(samples), T), dtype=torch.bool)
     behaviour = torch.zeros((len(samples), T))
     versions = torch.full((len(samples), T), -1, dtype=torch.long)
@@ -300,12 +303,14 @@ def collate(samples: list, pad_id: int, device="cpu", pack: bool = True) -> Micr
         behaviour[i, :n] = torch.tensor(s.logprobs)
         versions[i, :n] = torch.tensor(s.versions)
         rows += [0 if pack else i] * n
-        cols += range(start + p - 1, start + p - 1 + n)
+        cols += range(start % ids.shape[1] + p - 1, start % ids.shape[1] + p - 1 + n)
+    replay = replay_layout(samples, starts, ids.numel()) or (None, None)
     return MicroBatch(input_ids=ids, attention_mask=attn, position_ids=pos, rows=torch.tensor(rows),
                       cols=torch.tensor(cols), targets=torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long),
                       resp_mask=resp_mask, behaviour=behaviour, versions=versions,
                       rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
-                      truncated=torch.tensor([s.finish == "truncated" for s in samples])).to(device)
+                      truncated=torch.tensor([s.finish == "truncated" for s in samples]),
+                      replay=replay[0], replay_versions=replay[1]).to(device)
 
 
 def rank_share(lengths: list[int], rank: int, world: int) -> list[int]:
@@ -330,9 +335,11 @@ def response_logprobs(model, mb: MicroBatch, temperature: float) -> tuple[torch.
     every sequence would attend to those before it in the row. Under sequence parallelism (--sp) this rank
     runs the decoder on its slice of the packed row only (sequence_slice) and computes the response tokens
     that fall in it; the others' are summed in from the group, so every rank of it returns the whole [b, T]."""
-    ids, pos, extra = mb.input_ids, mb.position_ids, {}
+    ids, pos, lo, extra = mb.input_ids, mb.position_ids, 0, {}
     if model.config._attn_implementation in PACKED_KERNELS and pos is not None:
         ids, pos, lo, extra = sequence_slice(ids, pos)
+    if (routing := getattr(model, "_ulorl_routing", None)) is not None:  # --routing-replay: the engine's experts
+        routing.use(mb.replay, lo, ids.numel(), mb.tally, mb.replay_versions)
     hidden = model.get_decoder()(input_ids=ids, attention_mask=mb.attention_mask, position_ids=pos, use_cache=False,
                                  **extra).last_hidden_state
     rows, cols, targets, mine = mb.rows, mb.cols, mb.targets, None
@@ -537,10 +544,23 @@ register_attention()
 #
 # In bf16 a rollout engine and the trainer often route the same token to different experts (reports: ~10% of
 # router decisions on Qwen3-30B-A3B), and the importance ratio then measures router noise as much as policy
-# change. Rollout routing replay trains each token through the experts the engine chose when it sampled it,
-# with gate weights from the trainer's own router over those experts, so the router still learns. transformers'
-# Qwen3MoeSparseMoeBlock.forward takes no routing argument: a forward hook on each layer's router (its `gate`)
-# swaps the experts it chose, here and nowhere else. Not yet wired into the engines, samples and checkpoints.
+# change. Rollout routing replay (--routing-replay) trains each token through the experts the engine chose when
+# it sampled the next token, with gate weights from the trainer's own router over those experts, so the router
+# still learns. transformers' Qwen3MoeSparseMoeBlock.forward takes no routing argument: a forward hook on each
+# layer's router (its `gate`) swaps the experts it chose, here and nowhere else.
+#
+# Which routing: position p of a sequence predicts token p + 1, and a segment's engine call computes every
+# position of the sample again (its prefill re-reads the prompt and the earlier segments under the current
+# weights; vLLM's prefix cache is reset after each update). A sample keeps the routing of the engine's latest
+# forward over each position: [positions, layers, top_k] (uint8 ids, as vLLM returns them), replaced at every
+# segment. That is exactly the forward that sampled its last segment, one policy version throughout; keeping
+# each segment's own decode routing instead would mix versions and reproduce none of the engine's forwards
+# after the first segment (the tiny MoE in fp32: largest engine/trainer gap 5e-7 -> 8e-4).
+
+
+def routing_dtype(experts: int) -> torch.dtype:
+    """Expert ids as stored: one byte each up to 256 experts (vLLM returns uint8 there too)."""
+    return torch.uint8 if experts <= 256 else torch.int16
 
 
 class Routing:
@@ -548,27 +568,58 @@ class Routing:
     replayed into them. Tokens are the rows of the router's input, in order ([rows x positions] of the
     micro-batch). Set `replay` to one [tokens, top_k] id tensor per layer (-1 rows: the router's own choice)
     before a forward; it stays set until changed, so gradient checkpointing's recompute in the backward replays
-    the same ids. `recorded`, when a list, gets each layer's ids as used, per forward."""
+    the same ids. `recorded`, when a list, gets each layer's ids as used, per forward. `swap` False: the replay
+    ids are only compared with the router's own (`tally`), never used. `tally`, when set, is {"mask": [tokens]
+    bool, "differ": 0, "compared": 0}: each layer adds the masked tokens whose own experts differ from the
+    replayed ones. One Routing per module (Routing.of): the engine and the trainer may share it."""
 
     def __init__(self, lm):
         self.gates = [layer.mlp.gate for layer in lm.get_decoder().layers
                       if hasattr(getattr(layer.mlp, "gate", None), "top_k")]
         if not self.gates:
             raise ValueError(f"{type(lm).__name__} has no Mixture-of-Experts layers: routing replay is for MoE models")
-        self.replay: list[torch.Tensor] | None = None
+        self.replay: list[torch.Tensor] | torch.Tensor | None = None
         self.recorded: list | None = None
+        self.swap, self.tally = True, None
+        self.top_k, self.experts = self.gates[0].top_k, lm.config.num_experts
         for i, gate in enumerate(self.gates):
             gate.register_forward_hook(functools.partial(self._route, i))
+        lm._ulorl_routing = self
+
+    @classmethod
+    def of(cls, lm) -> "Routing":
+        return getattr(lm, "_ulorl_routing", None) or cls(lm)
+
+    def use(self, replay: torch.Tensor | None, lo: int, n: int, tally: dict | None = None, versions=None) -> None:
+        """Replay tokens lo .. lo + n of a micro-batch's [layers, tokens, top_k] ids (model.collate; -1 past its
+        end: the padding --sp adds). `tally` with `versions`: count the tokens whose routing that policy version
+        made (versions == tally["version"])."""
+        if replay is None:
+            self.replay = self.tally = None
+            return
+        self.replay = replay.new_full((replay.shape[0], n, replay.shape[2]), -1)
+        have = replay[:, lo:lo + n]
+        self.replay[:, :have.shape[1]] = have
+        if tally is not None:
+            tally["mask"] = torch.zeros(n, dtype=torch.bool, device=versions.device)
+            tally["mask"][:have.shape[1]] = versions[lo:lo + n] == tally["version"]
+        self.tally = tally
 
     def _route(self, layer: int, gate, args, output):
         logits, weights, ids = output
         if self.replay is not None:
-            chosen = self.replay[layer].to(ids.device)
-            ids = torch.where(chosen < 0, ids, chosen)
-            weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, ids)  # its own router's weights
-            if gate.norm_topk_prob:
-                weights = weights / weights.sum(-1, keepdim=True)
-            weights = weights.to(logits.dtype)
+            chosen = self.replay[layer].to(ids.device).long()
+            if self.tally is not None:
+                mask = self.tally["mask"] & (chosen[:, 0] >= 0)
+                differ = (ids.sort(-1).values != chosen.sort(-1).values).any(-1) & mask
+                self.tally["differ"] += int(differ.sum())
+                self.tally["compared"] += int(mask.sum())
+            if self.swap:
+                ids = torch.where(chosen < 0, ids, chosen)
+                weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, ids)  # its own router's
+                if gate.norm_topk_prob:
+                    weights = weights / weights.sum(-1, keepdim=True)
+                weights = weights.to(logits.dtype)
         if self.recorded is not None:
             self.recorded.append(ids.detach())
         return logits, weights, ids
@@ -577,6 +628,23 @@ class Routing:
 def routing_mismatch(own: torch.Tensor, replayed: torch.Tensor) -> float:
     """The fraction of (token, layer) decisions whose set of experts differs: [..., top_k] ids each."""
     return (own.sort(-1).values != replayed.sort(-1).values).any(-1).float().mean().item()
+
+
+def replay_layout(samples: list, starts: list[int], tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The replay ids of a micro-batch ([layers, tokens, top_k] int16, -1 where the trainer's router decides)
+    and the policy version that made each position's routing ([tokens]; -1 none), from samples whose first
+    sequence position sits at `starts` (collate). None when no sample carries routing."""
+    first = next((s.routing for s in samples if s.routing is not None), None)
+    if first is None:
+        return None
+    replay = torch.full((first.shape[1], tokens, first.shape[2]), -1, dtype=torch.int16)
+    versions = torch.full((tokens,), -1, dtype=torch.long)
+    for s, start in zip(samples, starts):
+        if s.routing is not None and s.versions:  # positions 0 .. prompt + response - 2, by the last segment's call
+            n = min(len(s.routing), len(s.prompt_ids) + len(s.tokens) - 1)
+            replay[:, start:start + n] = s.routing[:n].transpose(0, 1).to(torch.int16)
+            versions[start:start + n] = s.versions[-1]
+    return replay, versions
 
 
 class Policy(torch.nn.Module):

@@ -41,6 +41,9 @@ class Sample:
     seg_starts: list[int] = field(default_factory=list)  # index in `tokens` where each segment begins
     finish: str | None = None  # None while unfinished, then "eos" or "truncated"
     reward: float | None = None
+    # --routing-replay (MoE): the experts the engine's last call routed each position to, prompt and response
+    # but the last token, [positions, layers, top_k] uint8 (replaced every segment; model.replay_layout)
+    routing: object = None
 
     def segment_versions(self) -> list[int]:
         return [self.versions[s] for s in self.seg_starts if s < len(self.versions)]
@@ -80,6 +83,7 @@ def rollout_step(engine, pools: Pools, new_groups: list[list[Sample]], segment_l
     gens = engine.generate([s.prompt_ids + s.tokens for s in batch], budgets, sampling, keys=[s.uid for s in batch])
     pools.unfinished = []
     for s, g, budget in zip(batch, gens, budgets):
+        s.routing = g.routing
         s.seg_starts.append(len(s.tokens))
         s.tokens += g.tokens
         s.logprobs += g.logprobs

@@ -103,6 +103,18 @@ def check_context(cfg: Config, config) -> None:
                          f"shorten the prompt or response caps")
 
 
+def check_routing(cfg: Config, config) -> None:
+    """--routing-replay needs a Mixture-of-Experts model, and an engine that returns routing on this device."""
+    if cfg.routing_replay == "false":
+        return
+    if not getattr(config, "num_experts", 0):
+        raise ValueError(f"--routing-replay {cfg.routing_replay}: --model {cfg.model} has no Mixture-of-Experts "
+                         f"layers (config.json: no num_experts); routing replay is for MoE models such as qwen3_moe")
+    if engine_kind(cfg.engine, cfg.device) == "vllm" and cfg.device == "cpu":
+        raise ValueError(f"--routing-replay {cfg.routing_replay} with --engine vllm: vLLM returns routed experts from "
+                         f"its V2 model runner, which its CPU build lacks; on CPU use --engine hf")
+
+
 def place(cfg: Config, config, local_ranks: int) -> None:
     """The engine's GPUs and tensor-parallel size into cfg.rollout_gpus / cfg.rollout_tp (config.engine_placement;
     the model's heads bound the TP)."""
@@ -267,7 +279,8 @@ def rollout_engine(cfg: Config, lm, tokenizer, path: str, world: int, mem: float
                        dtype=cfg.dtype,
                        hf_overrides=model_lib.yarn_overrides(lm.config, cfg.rope_scaling_factor,
                                                              cfg.rope_original_max_positions),
-                       own_process=world > 1, gpus=gpus, tp=cfg.rollout_tp or 1)
+                       own_process=world > 1, gpus=gpus, tp=cfg.rollout_tp or 1,
+                       routing=cfg.routing_replay != "false")
 
 
 def held_out(engine, tokenizer, rows: list[dict], cfg: Config, judge: reward.Judge | None) -> dict:
@@ -375,6 +388,7 @@ def main(cfg: Config, engine_hook=None) -> None:
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     model_config = model_lib.model_config(cfg.model, cfg.rope_scaling_factor, cfg.rope_original_max_positions)
     check_context(cfg, model_config)
+    check_routing(cfg, model_config)
     place(cfg, model_config, local_ranks)
     fit_parallelism(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_config)
     if cfg.plan:  # for the WORLD_SIZE trainer ranks torchrun would start (1 without it); nothing is started
@@ -408,6 +422,9 @@ def main(cfg: Config, engine_hook=None) -> None:
         raise ValueError(why)  # model code never runs unisolated
     host_before = plan_lib.reset_host_peak()
     policy, ref, lm, ref_lm, tokenizer, masters = load_models(cfg, resume_from, world)
+    for module in (lm, ref_lm) if cfg.routing_replay != "false" else ():  # the engine's experts in their forwards
+        if module is not None:
+            model_lib.Routing.of(module).swap = cfg.routing_replay == "true"
     load_peak = model_lib.all_max(plan_lib.host_peak() - host_before) / 2**20  # MiB, the largest rank's
     engine = rollout_engine(cfg, lm, tokenizer, resume_from or cfg.model, world, engine_mem) if lead else None
     if engine_hook is not None and engine is not None:

@@ -156,11 +156,18 @@ def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg) -> tu
     log-probs are from the trainer's on the tokens these very weights sampled.
     Returns (sums for the metrics, the largest engine/trainer gap, a histogram of the gaps (GAP_BINS))."""
     stats = {"entropy": 0.0, "tokens": 0, "loss_tokens": 0, "pg_tokens": 0, "diff_sum": 0.0, "diff_n": 0,
-             "kl_sum": 0.0}
+             "kl_sum": 0.0, "route_differ": 0, "route_compared": 0}
     diff_max, hist = 0.0, torch.zeros(GAP_BINS[2], dtype=torch.float64)
     for mbs in minis:
         for mb in mbs:
+            # --routing-replay: the positions these weights routed in the engine, compared with the trainer's router
+            # (each rank its own slice under --sp: counted on every rank)
+            mb.tally = {"version": version, "differ": 0, "compared": 0} if not mb.empty else None
             cur, entropy = policy(mb, cfg.temperature)
+            if mb.tally is not None:
+                stats["route_differ"] += mb.tally["differ"]
+                stats["route_compared"] += mb.tally["compared"]
+                mb.tally = None
             mb.old = old_logprobs(cfg.is_mode, cur, mb.behaviour, mb.versions, version)
             if ref is not None:
                 mb.ref = ref(mb, cfg.temperature)[0]
@@ -319,6 +326,9 @@ def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: in
                 "rollout/logprob_diff_mean": stats["diff_sum"] / stats["diff_n"] if stats["diff_n"] else None,
                 "rollout/logprob_diff_p99": min(quantile(gap_hist, 0.99), diff_max) if stats["diff_n"] else None,
                 **staleness(samples, version)})
+    if cfg.routing_replay != "false":  # of the (token, layer) decisions these weights made in the engine
+        out["rollout/routing_mismatch"] = stats["route_differ"] / stats["route_compared"] \
+            if stats["route_compared"] else None
     return out
 
 
