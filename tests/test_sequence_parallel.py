@@ -24,14 +24,18 @@ from segment_rollout import Sample
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def samples(lengths=((5, 9), (3, 14), (7, 4), (4, 11), (6, 1))) -> list[Sample]:
-    """Finished samples of random tokens: (prompt, response) lengths; the packed row is 64 tokens."""
+def samples(lengths=((5, 9), (3, 14), (7, 4), (4, 11), (6, 1)), routed: bool = False) -> list[Sample]:
+    """Finished samples of random tokens: (prompt, response) lengths; the packed row is 64 tokens. `routed`: with
+    random experts to replay (--routing-replay; the MoE of make(): 2 layers, 8 experts, top-2)."""
     g = torch.Generator().manual_seed(0)
     out = []
     for i, (p, r) in enumerate(lengths):
         s = Sample(uid=i, group=0, prompt_ids=torch.randint(3, 17, (p,), generator=g).tolist(), row={})
         s.tokens = torch.randint(3, 17, (r,), generator=g).tolist()
         s.logprobs, s.versions, s.reward, s.finish = [0.0] * r, [0] * r, float(i % 2), "eos"
+        if routed:
+            s.routing = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(2 * (p + r - 1))]) \
+                .view(p + r - 1, 2, 2).to(torch.uint8)
         out.append(s)
     return out
 
@@ -40,6 +44,8 @@ def make(moe: bool, attention: str):
     tok = tiny.make_tokenizer()
     lm = tiny.make_moe_model(tok, experts=8, top_k=2) if moe else tiny.make_model(tok)  # 4 heads, 2 KV heads
     lm.config._attn_implementation = attention
+    if moe == "replay":
+        model_lib.Routing.of(lm)
     return lm
 
 
@@ -80,7 +86,7 @@ def _sp_worker(rank, world, port, moe, out):
     try:
         model_lib.init_sequence_parallel(world)
         lm = make(moe, model_lib.attention_name("sdpa", world))
-        lp, ent, grads = forward_backward(lm, model_lib.collate(samples(), 0, pack=True))
+        lp, ent, grads = forward_backward(lm, model_lib.collate(samples(routed=moe == "replay"), 0, pack=True))
         dist.all_reduce(grads)  # each rank's part of the gradient; DDP/FSDP sum them (they average x world)
         if rank == 0:
             torch.save((lp, ent, grads), out)
@@ -88,16 +94,18 @@ def _sp_worker(rank, world, port, moe, out):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("moe", [False, True])
-@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("moe, sp", [(False, 2), (True, 4), ("replay", 2)])
 def test_ranks_holding_slices_give_the_whole_forward_and_backward(tmp_path, sp, moe):
     """sp 2: each rank gets one of the 2 KV heads; sp 4: the 2 KV heads are replicated for 4 ranks. The packed
     row (64 tokens) is cut in sp slices mid-sequence; every rank returns all the log-probs, and the ranks'
-    gradients add up to one process's."""
+    gradients add up to one process's. Dense, MoE, and MoE whose routers replay given experts (--routing-replay:
+    each rank its slice of the row's)."""
     out = tmp_path / "sp.pt"
     mp.spawn(_sp_worker, (sp, free_port(), moe, str(out)), nprocs=sp)
     lp, ent, grads = torch.load(out)
-    one = forward_backward(make(moe, "sdpa"), model_lib.collate(samples(), 0, pack=True))
+    one = forward_backward(make(moe, "sdpa"), model_lib.collate(samples(routed=moe == "replay"), 0, pack=True))
+    if moe == "replay":  # the replayed experts changed the forward
+        assert not torch.allclose(one[0], forward_backward(make(True, "sdpa"), model_lib.collate(samples(), 0))[0])
     assert torch.allclose(lp, one[0], atol=1e-6, rtol=1e-5) and torch.allclose(ent, one[1], atol=1e-6, rtol=1e-5)
     assert (grads - one[2]).abs().max() <= 1e-5 * one[2].abs().max(), (grads - one[2]).abs().max()
 
