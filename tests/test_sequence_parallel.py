@@ -146,7 +146,7 @@ def moe_run_args(tmp_path_factory):
     data = d / "data.jsonl"  # a reward a random model sometimes earns: at most 4 words
     data.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}=", "answer": [{"type": "max_words", "n": 4}],
                                         "verifier": "ifeval"}) + "\n" for i in range(100)))
-    return ["--model", str(d / "model"), "--data", str(data), "--dynamic-sampling", "false"]
+    return ["--model", str(d / "model"), "--data", str(data), "--dynamic-sampling", "false", "--routing-replay", "true"]
 
 
 @pytest.mark.slow
@@ -154,7 +154,8 @@ def moe_run_args(tmp_path_factory):
 def test_two_ranks_with_sp_2_train_the_weights_of_one_process(tmp_path, kind, request):
     """One sequence-parallel group of 2 ranks (each packed micro-batch split in half) against one process on
     the same rollouts (rank 0 samples as the single process does): after 3 steps every weight tensor is within
-    1e-5 of one process's, relative (in norm), and no weight is a tenth of an AdamW step (lr 3e-4) away. (The
+    1e-5 of one process's, relative (in norm), and no weight is a tenth of an AdamW step (lr 3e-4) away. The MoE
+    replays the engine's routing (rank 0 samples, every rank replays what it broadcast). (The
     gradients agree to ~1e-7; AdamW's first step, g / (sqrt(g^2) + eps), turns a rounding-level difference in a
     near-zero gradient into a visible one: 7.6e-6 on one weight of a random MoE.)"""
     extra = [] if kind == "dense" else request.getfixturevalue("moe_run_args")
@@ -165,6 +166,8 @@ def test_two_ranks_with_sp_2_train_the_weights_of_one_process(tmp_path, kind, re
     assert [r["reward/trained_mean"] for r in a] == [r["reward/trained_mean"] for r in b]
     for r, s in zip(a, b):
         assert abs(r["loss/policy"] - s["loss/policy"]) <= 1e-5 * abs(r["loss/policy"])
+        assert r.get("rollout/routing_mismatch") == s.get("rollout/routing_mismatch")  # each slice counted once
+        assert (r.get("rollout/routing_mismatch") is not None) == (kind == "moe")
         assert r["mpt/masked_frac"] == s["mpt/masked_frac"]
     moved = rel_diff(weights(tmp_path / "one", 3), load_file(os.path.join(
         extra[1] if extra else os.path.join(ROOT, "tiny_ckpt"), "model.safetensors")))
