@@ -173,7 +173,8 @@ class Config:
     agg: str = flag("token", "token: DAPO's token-level mean; sample: GRPO's per-response mean",
                     choices=["token", "sample"])
     is_mode: str = flag("pois", "pi_old under segment rollout (UloRL 3.1): pois (the current weights for every "
-                                "token), sais (each segment's own policy), tois (one segment only)",
+                                "token), sais (each segment's own policy), tois (one segment only; every "
+                                "trained token from the weights being updated: surplus groups are dropped)",
                         choices=["pois", "sais", "tois"])
     mpt: str = flag("dynamic", "masking of well-mastered positive tokens: dynamic (DMMPTs), static, off",
                     choices=["dynamic", "static", "off"])

@@ -276,9 +276,14 @@ def _rg_answer(response: str) -> str | None:
     return rg_extract(response) or None
 
 
-# The final answer of a response, per verifier: what maj@k votes with and the data cleaning's majority filter
-# compares. Verifiers without one short answer (code, ifeval) have none.
-ANSWERS = {"tiny": tiny_answer, "math": extract_answer, "math_boxed": functools.partial(extract_answer, fallback="none"),
+def math_answer(response: str, fallback: str = "last_number") -> str | None:
+    """The answer the math rewards read: from the text after the reasoning (final_text), never from inside it."""
+    return extract_answer(final_text(response), fallback)
+
+
+# The final answer of a response, per verifier, read from what its reward reads: what maj@k votes with and the
+# data cleaning's majority filter compares. Verifiers without one short answer (code, ifeval) have none.
+ANSWERS = {"tiny": tiny_answer, "math": math_answer, "math_boxed": functools.partial(math_answer, fallback="none"),
            "rg": _rg_answer}
 
 

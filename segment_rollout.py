@@ -19,7 +19,8 @@ third; it is split because a group can be rewarded and filtered only once all G 
       |  the group's last member finishes (ready_groups): reward; dynamic sampling drops all-equal groups
       v
     RunState.ready (ulorl.py): complete, rewarded, informative groups waiting for an update; a step trains
-      the oldest --train-groups of them and the rest carry over to the next step
+      the oldest --train-groups of them and the rest carry over to the next step (not under --is-mode tois,
+      which trains only tokens of the weights being updated: they are dropped)
 
 1. `Pools.unfinished`: hit the segment cap; decoded further at the next step, possibly by newer weights.
 2. `Pools.experience`: finished, but its group is not: GRPO's advantage needs every member's reward.

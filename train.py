@@ -285,11 +285,11 @@ def rollout_engine(cfg: Config, lm, tokenizer, path: str, world: int, mem: float
 
 def held_out(engine, tokenizer, rows: list[dict], cfg: Config, judge: reward.Judge | None) -> dict:
     """avg@1 on the held-out prompts (eval.evaluate), sampled like the training rollouts, in one segment of
-    the full length. Sample uids count down from -1: the same draws at every evaluation, apart from training's."""
+    the full length. Sample uids count down from -1: the same draws at every evaluation, apart from training's.
+    Judged as eval.py judges, whatever --overlong shapes the training reward: a truncated response is unsolved."""
     summary, _, metrics = eval_lib.evaluate(engine, tokenizer, rows, 1, cfg.max_response_len,
                                             Sampling(cfg.temperature, cfg.top_p, cfg.top_k), segments=1, batch=256,
-                                            timeout=cfg.reward_timeout, overlong=cfg.overlong,
-                                            overlong_buffer=cfg.overlong_buffer, judge=judge,
+                                            timeout=cfg.reward_timeout, overlong="zero", judge=judge,
                                             pools=Pools(next_uid=-1, count_down=True))
     return {"eval/accuracy": summary["avg@k"], "eval/reward": summary["mean_reward"],
             "eval/mean_length": summary["mean_length"], "eval/truncation_rate": summary["truncation_rate"],
@@ -467,6 +467,8 @@ def main(cfg: Config, engine_hook=None) -> None:
                     save(os.path.join(cfg.out, f"step_{state.step:06d}"))
                 raise
             groups, state.ready = state.ready[:cfg.train_groups], state.ready[cfg.train_groups:]
+            if cfg.is_mode == "tois":  # every trained token from the weights being updated: no group waits a step
+                record["rollout/dropped_surplus_groups"], state.ready = len(state.ready), []
         t_roll = time.time() - t0
         groups, stop_now = model_lib.broadcast((groups, stop[0] if stop else ""))
 

@@ -182,3 +182,33 @@ def test_eval_script_writes_the_report(tmp_path):
         assert {"prompt", "answer", "correct"} <= set(p) and len(p["correct"]) == 2
         assert all(isinstance(c, bool) for c in p["correct"])
     assert 0 < r["mean_length"] <= 64 and 0 <= r["avg@k"] <= 1 and r["pass@k"]["2"] >= r["avg@k"]
+
+
+def test_maj_votes_on_the_text_the_reward_reads():
+    """The math rewards read the text after </think>; a vote read from the whole response would count an answer
+    the reasoning tried and the reward never saw."""
+    assert reward.final_answer("math", r"<think>maybe \boxed{7}</think>so it is 5") == "5"
+    assert reward.final_answer("math_boxed", r"<think>maybe \boxed{7}</think>so it is 5") is None
+    assert reward.final_answer("math", r"<think>7?</think>\boxed{5}") == "5"
+    assert reward.math_reward(r"<think>maybe \boxed{7}</think>so it is \boxed{5}", "5") == 1.0
+
+
+def test_held_out_accuracy_counts_a_truncated_answer_unsolved_under_any_overlong():
+    """train.py's held-out accuracy judges as eval.py does: a response cut at the cap is not solved, even where
+    --overlong filter / none leave a truncated sample's training reward alone. The stand-in engine writes the
+    right answer to the tiny task and is cut exactly at the cap."""
+    import config
+    import train
+    tok = tiny.make_tokenizer()
+    right = tok("1+2=3:3").input_ids
+
+    class RightButCut:
+        def generate(self, prompts, max_tokens, sampling, keys=None):
+            return [engine_lib.Generation(right[:m], [0.0] * len(right[:m]), "length") for m in max_tokens]
+
+    rows = [{"prompt": "1+2=", "answer": "3", "verifier": "tiny"}]
+    assert reward.tiny_reward(tok.decode(right), "3") == 1.0
+    for overlong in ("zero", "filter", "none"):
+        cfg = config.parse_config(["--overlong", overlong, "--segments", "1", "--max-response-len", str(len(right))])
+        got = train.held_out(RightButCut(), tok, rows, cfg, None)
+        assert got["eval/accuracy"] == 0.0 and got["eval/truncation_rate"] == 1.0, (overlong, got)

@@ -191,3 +191,15 @@ def test_report_to_tensorboard_and_wandb_offline(tmp_path):
         assert json.dumps(r["reward/mean"]).encode() in data and json.dumps(r["loss/policy"]).encode() in data
     p = run_train("--steps", "1", "--out", str(tmp_path / "x"), "--report-to", "mlflow", timeout=60)
     assert p.returncode == 2 and "--report-to mlflow: must be none, tensorboard, wandb" in p.stderr
+
+
+def test_tois_trains_only_tokens_of_the_weights_being_updated(tmp_path):
+    """--is-mode tois: pi_old is the engine's log-prob only where the current weights sampled; a surplus ready
+    group kept for the next step would train one version behind. Every step's staleness is 0, and the surplus
+    is counted as dropped."""
+    p = run_train("--steps", "3", "--out", str(tmp_path), "--eval-data", "", "--segments", "1", "--is-mode", "tois",
+                  "--train-groups", "2", "--prompts-per-step", "4", "--max-response-len", "32", "--save-every", "0")
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = records(tmp_path / "metrics.jsonl")
+    assert all(r["staleness/token_max"] == 0 and r["staleness/token_mean"] == 0 for r in recs), recs
+    assert sum(r["rollout/dropped_surplus_groups"] for r in recs) > 0  # there was a surplus to drop
