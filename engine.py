@@ -194,7 +194,7 @@ class HFEngine:
     def recorded_routing(self) -> torch.Tensor:
         """What the last forward's routers chose, [tokens, layers, top_k] as stored (model.routing_dtype)."""
         used, self.routing.recorded = self.routing.recorded, []
-        return torch.stack(used, 1).to(model_lib.routing_dtype(self.routing.experts))
+        return torch.stack(used, 1).to("cpu", model_lib.routing_dtype(self.routing.experts))  # kept on the host
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,

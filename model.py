@@ -225,6 +225,7 @@ class MicroBatch:
     truncated: torch.Tensor  # [b] bool
     replay: torch.Tensor | None = None  # [layers, rows x L, top_k]: the engine's experts per position (replay_layout)
     replay_versions: torch.Tensor | None = None  # [rows x L]: the policy version that routed each position
+    # (both in host memory, whatever `device` collate was given)
     # filled by the update
     adv: torch.Tensor | None = None  # [b]
     old: torch.Tensor | None = None  # [b, T]: pi_old
@@ -237,7 +238,7 @@ class MicroBatch:
     def to(self, device) -> "MicroBatch":
         for f in fields(self):
             v = getattr(self, f.name)
-            if torch.is_tensor(v):
+            if torch.is_tensor(v) and not f.name.startswith("replay"):  # those stay on the host
                 setattr(self, f.name, v.to(device))
         return self
 
@@ -304,13 +305,15 @@ def collate(samples: list, pad_id: int, device="cpu", pack: bool = True) -> Micr
         versions[i, :n] = torch.tensor(s.versions)
         rows += [0 if pack else i] * n
         cols += range(start % ids.shape[1] + p - 1, start % ids.shape[1] + p - 1 + n)
-    replay = replay_layout(samples, starts, ids.numel()) or (None, None)
-    return MicroBatch(input_ids=ids, attention_mask=attn, position_ids=pos, rows=torch.tensor(rows),
+    mb = MicroBatch(input_ids=ids, attention_mask=attn, position_ids=pos, rows=torch.tensor(rows),
                       cols=torch.tensor(cols), targets=torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long),
                       resp_mask=resp_mask, behaviour=behaviour, versions=versions,
                       rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
-                      truncated=torch.tensor([s.finish == "truncated" for s in samples]),
-                      replay=replay[0], replay_versions=replay[1]).to(device)
+                      truncated=torch.tensor([s.finish == "truncated" for s in samples])).to(device)
+    # replay ids stay in host memory (a step's micro-batches all wait for the update): each router moves its
+    # layer's slice to the device as it runs (Routing._route)
+    mb.replay, mb.replay_versions = replay_layout(samples, starts, ids.numel()) or (None, None)
+    return mb
 
 
 def rank_share(lengths: list[int], rank: int, world: int) -> list[int]:
@@ -610,7 +613,7 @@ class Routing:
         if self.replay is not None:
             chosen = self.replay[layer].to(ids.device).long()
             if self.tally is not None:
-                mask = self.tally["mask"] & (chosen[:, 0] >= 0)
+                mask = self.tally["mask"].to(ids.device) & (chosen[:, 0] >= 0)
                 differ = (ids.sort(-1).values != chosen.sort(-1).values).any(-1) & mask
                 self.tally["differ"] += int(differ.sum())
                 self.tally["compared"] += int(mask.sum())

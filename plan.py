@@ -24,10 +24,19 @@ b = 4: a bf16 run keeps fp32 master weights in every mode, and c = bytes of the 
                           every layer; varlen and flash attention keep none
   lm_head                 512 positions at a time: 4 x [512, V] fp32 (logits, log-softmax, probabilities,
                           their gradient)
+  routing replay ids      --routing-replay (MoE): the running layer's replayed experts, [tokens, top_k] int64
+                          (the replay ids themselves stay in host memory, below)
 --offload-optimizer true (FSDP): weights, gradients, AdamW moments (and the reference) move to the host; the GPU
 keeps each gathered layer's fp32 shard on its way in. Per node, host memory is then every rank's share of them.
 Per trainer process's host: the rollout's records (ids, log-probs, versions: HOST_BYTES_PER_TOKEN a token) of
-every sample in flight at full length on rank 0, and the step's batch, pickled and unpickled, on every rank.
+every sample in flight at full length on rank 0, and the step's batch, pickled and unpickled, on every rank;
+with --routing-replay (MoE) the same samples' routing too, layers x top_k ids a token (model.routing_dtype: one byte
+each up to 256 experts, else two), and each rank's share of the step's micro-batches, collated before the update
+(ulorl.plan_micro_batches), with their replay ids (layers x top_k int16 a token) and an int64 version a token, at
+full length (under --sp the whole rows, on every rank of the group), plus each router's copy of its slice of the
+running micro-batch (model.Routing.use). Samples in flight: the rollout batch's slots (--prompts-per-step x
+--group-size) at full length. That assumes the experience pool and the ready groups carried over (neither has a cap
+of its own) fit in the room the unfinished samples leave: samples that finished early are short.
 Per engine GPU (vLLM, tensor-parallel over --rollout-tp): its weights / tp, and the KV cache of one sample
 and of the whole rollout batch (--prompts-per-step x --group-size samples) at full context (--max-prompt-len
 + --max-response-len). Weights and one sample must fit; vLLM queues the samples its KV cache cannot hold,
@@ -174,6 +183,11 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
             (1 if cfg.gradient_checkpointing else shape.layers)
     trainer.update({"activations": activations, "attention scores": attention,
                     "lm_head chunks": 4 * 512 * shape.vocab * 4})
+    full, samples = cfg.max_prompt_len + cfg.max_response_len, cfg.train_groups * cfg.group_size
+    batch = samples * full
+    routed = shape.layers * shape.experts_per_token if cfg.routing_replay != "false" and shape.experts else 0
+    if routed:  # the replay ids wait in host memory (below); each router moves its layer's slice to the device
+        trainer["routing replay ids"] = T * shape.experts_per_token * 8
     slots = cfg.prompts_per_step * cfg.group_size
     kv_per_slot = 2 * shape.layers * shape.kv_heads * shape.head_dim * c * (cfg.max_prompt_len + cfg.max_response_len)
     engine = {}
@@ -185,12 +199,20 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
         trainer["rollout KV cache (rank 0)"] = kv_per_slot * max(slots, min(256, cfg.eval_n) if cfg.eval_data else 0)
         if world > 1:
             trainer["rollout model copy (rank 0)"] = P * c
-    # the rollout's records live in Python lists on the host: rank 0 holds every sample in flight at full length
-    # at worst, and every rank the step's batch (the broadcast's pickle, then the samples it unpickles)
-    full = cfg.max_prompt_len + cfg.max_response_len
-    batch = cfg.train_groups * cfg.group_size * full
+    # the rollout's records live in Python lists on the host: rank 0 holds every sample in flight (the rollout
+    # batch's slots, module docstring) at full length at worst, and every rank the step's batch (the broadcast's
+    # pickle, then the samples it unpickles); --routing-replay: their routing too, in a tensor (pickled whole)
     host = {"rollout records (rank 0)": slots * full * HOST_BYTES_PER_TOKEN,
             "the step's batch (every rank)": batch * (HOST_BYTES_PER_TOKEN + PICKLED_BYTES_PER_TOKEN)}
+    if routed:  # every micro-batch of the step is collated at once: this rank's share of the batch (each mini-batch
+        # split over the world / sp data ranks, whole samples) at full length; each router (the reference's too)
+        # keeps its slice of the running micro-batch
+        ids = routed * (1 if shape.experts <= 256 else 2)  # bytes a token: model.routing_dtype
+        mini = cfg.mini_batch if cfg.mini_batch > 0 else samples
+        mine = sum(-(-min(mini, samples - lo) // max(world // sp, 1)) for lo in range(0, samples, mini))
+        host.update({"routing records (rank 0)": slots * full * ids, "batch's routing (every rank)": 2 * batch * ids,
+                     "routing replay ids (every rank)": mine * full * (routed * 2 + 8)
+                     + (2 if cfg.kl_coef > 0 else 1) * T * routed * 2})
     if offload:
         host["offloaded optimizer state"] = sum(state.values()) + (P * b // shards if cfg.kl_coef > 0 else 0)
     return Plan(trainer, engine, host)

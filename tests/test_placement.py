@@ -1,7 +1,8 @@
 """The headline command as people will type it: where the engine goes for each GPU count and world size, a hub
 model name taking UloRL's settings (and refusing the tiny task), the context the ulorl preset needs and the
-error when a model cannot reach a context, and the memory vLLM is given. Pure functions and --plan runs on a
-local copy of Qwen3-30B-A3B's config.json in a Hugging Face cache layout: nothing is downloaded or loaded.
+error when a model cannot reach a context, the memory vLLM is given, and what --routing-replay costs. Pure
+functions and --plan runs on a local copy of Qwen3-30B-A3B's config.json in a Hugging Face cache layout: nothing
+is downloaded or loaded.
 
     python -m pytest tests/test_placement.py -q        # ~20 s
 """
@@ -161,3 +162,44 @@ def test_the_plan_chooses_the_least_that_fits():
     assert sp2.trainer["activations"] < 0.51 * one.trainer["activations"]
     off = make(dataclasses.replace(cfg, sp=2, offload_optimizer="true"))
     assert off.trainer["AdamW moments"] == 0 and off.host["offloaded optimizer state"] == 4 * sp2.trainer["weights"]
+
+
+def test_routing_replay_at_the_papers_scale(tmp_path):
+    """--routing-replay on Qwen3-30B-A3B (48 MoE layers, top-8 of 128 experts) under the ulorl preset, by hand:
+    rank 0's host keeps 48 x 8 x 1 byte = 384 bytes a token (uint8 ids) of the 1024 samples in flight at 133120
+    tokens, every rank the step's batch's twice (held, pickled) and, for its share of the batch (--sp 2: 3 data
+    ranks, 342 whole samples), 48 x 8 x 2 + 8 = 776 bytes a token (int16 ids, an int64 version: every micro-batch
+    of the step is collated before the update) and the router's copy of its 66560-token slice; the GPU only the
+    running layer's slice (int64). Past 256 experts ids take two bytes; a dense model or the flag off adds
+    nothing. The headline still fits an H200 with --sp 2, and 80 GB with offload, as without it."""
+    from transformers import AutoConfig, Qwen2Config
+    shape = plan_lib.Shape.of(AutoConfig.from_pretrained(QWEN3_30B))
+    cfg = gpu_cfg("--rollout-gpus", "6,7", "--routing-replay", "true", "--sp", "2", "--offload-optimizer", "false")
+    cfg.rollout_tp = 2
+    plan = plan_lib.make_plan(shape, cfg, 6, 2, True)
+    full = 2048 + 131072
+    assert shape.layers * shape.experts_per_token == 384 and model_lib.routing_dtype(shape.experts).itemsize == 1
+    assert plan.host["routing records (rank 0)"] == 1024 * full * 384 == 48.75 * 2**30
+    assert plan.host["batch's routing (every rank)"] == 2 * 1024 * full * 384
+    assert plan.host["routing replay ids (every rank)"] == 342 * full * 776 + 66560 * 768  # 32.95 GiB
+    assert plan.trainer["routing replay ids"] == 66560 * 8 * 8
+    wide = plan_lib.make_plan(dataclasses.replace(shape, experts=512), cfg, 6, 2, True)
+    assert model_lib.routing_dtype(512).itemsize == 2 and wide.host["routing records (rank 0)"] == 1024 * full * 768
+    off = plan_lib.make_plan(shape, dataclasses.replace(cfg, routing_replay="false"), 6, 2, True)
+    assert off.trainer_total == plan.trainer_total - plan.trainer["routing replay ids"]
+    assert not [k for k in (*off.trainer, *off.host) if "routing" in k]
+    dense = plan_lib.Shape.of(Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936))
+    dense_plan = plan_lib.make_plan(dense, cfg, 6, 2, True)
+    assert not [k for k in (*dense_plan.trainer, *dense_plan.host) if "routing" in k]
+    assert not plan_lib.problems(plan, cfg, H200, colocated=False)
+    auto = dataclasses.replace(cfg, sp=0, offload_optimizer="auto")
+    make = lambda c: plan_lib.make_plan(shape, c, 6, 2, True)
+    assert plan_lib.choose(make, auto, 80 * 10**9, [1, 2], True) == (2, "true")
+    env = dict(os.environ, **hub_cache(tmp_path, "Qwen/Qwen3-30B-A3B", QWEN3_30B), WORLD_SIZE="6")
+    h200 = run([sys.executable, "train.py", "--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus",
+                "6,7", "--plan", "--device-memory", "141", "--routing-replay", "true"], timeout=120, env=env)
+    assert h200.returncode == 0, h200.stderr[-2000:]
+    assert "--sp 2, --offload-optimizer false," in h200.stdout and "verdict: fits in 131.3 GiB" in h200.stdout
+    assert "routing replay ids (every rank)   32.950 GiB" in h200.stdout
+    assert "routing records (rank 0)         48.750 GiB" in h200.stdout, h200.stdout

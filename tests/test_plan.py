@@ -186,3 +186,41 @@ def test_host_bytes_per_token_are_what_a_sample_holds():
         tracemalloc.stop()
     assert abs(held / plan_lib.HOST_BYTES_PER_TOKEN - 1) < 0.25, held
     assert abs(len(pickle.dumps(sample)) / n / plan_lib.PICKLED_BYTES_PER_TOKEN - 1) < 0.25
+
+
+def test_routing_replay_items_are_what_the_step_holds(moe_dir):
+    """--routing-replay's items against the tensors themselves, on the tiny MoE (2 layers, top-2 of 4 experts) at
+    full length: each rank's host holds every micro-batch ulorl.plan_micro_batches collates for the step (in one
+    process the whole batch, each with its int16 replay ids and int64 versions, never moved to the device) plus
+    the router's copy of one micro-batch; a sample's routing is layers x top_k bytes a position, pickled whole
+    for the broadcast."""
+    import dataclasses
+    import pickle
+    import config
+    import ulorl
+    from segment_rollout import Sample
+    lm = AutoModelForCausalLM.from_pretrained(moe_dir)
+    shape = plan_lib.Shape.of(lm.config)
+    cfg = config.parse_config(["--model", str(moe_dir), "--eval-data", "", "--routing-replay", "true", "--group-size",
+                               "2", "--train-groups", "3", "--max-prompt-len", "8", "--max-response-len", "24",
+                               "--max-tokens-per-micro-batch", "64"])
+    full, routed = 8 + 24, shape.layers * shape.experts_per_token
+    samples = [Sample(uid=i, group=i // 2, prompt_ids=[1] * 8, row={}, tokens=[2] * 24, logprobs=[0.0] * 24,
+                      versions=[0] * 24, finish="truncated", reward=float(i % 2),
+                      routing=torch.randint(0, 4, (full - 1, shape.layers, 2), dtype=model_lib.routing_dtype(4)))
+               for i in range(6)]
+    plan = plan_lib.make_plan(shape, cfg, 1, 1, False)
+    mbs = [mb for mini in ulorl.plan_micro_batches(samples, torch.zeros(6), 0, cfg) for mb in mini]
+    held = sum(mb.replay.nbytes + mb.replay_versions.nbytes for mb in mbs)
+    T = max(cfg.max_tokens_per_micro_batch, full)
+    assert held == 6 * full * (routed * 2 + 8) and plan.host["routing replay ids (every rank)"] == held + T * routed * 2
+    assert plan.trainer["routing replay ids"] == T * 2 * 8  # the running layer's [tokens, top_k] int64 slice
+    routing = model_lib.Routing(lm)
+    model_lib.response_logprobs(lm, mbs[0], 1.0)
+    assert routing.replay.nbytes == mbs[0].input_ids.numel() * routed * 2 <= T * routed * 2
+    slots = cfg.prompts_per_step * cfg.group_size
+    assert plan.host["routing records (rank 0)"] == slots * full * routed  # uint8: one byte an id
+    assert plan.host["batch's routing (every rank)"] == 2 * 6 * full * routed
+    assert samples[0].routing.nbytes == (full - 1) * routed
+    bare = dataclasses.replace(samples[0], routing=None)
+    assert 0 <= len(pickle.dumps(samples[0])) - len(pickle.dumps(bare)) - samples[0].routing.nbytes < 1000
