@@ -1,11 +1,14 @@
 """The GPU check (tests/gpu/check.py) without a GPU: the commands its dry run prints for 1, 2, 4 and 8 GPUs have
 the placement of each count and the headline run's shape (a 64-expert MoE by hub name, bf16, YaRN, a 32k
 engine, the gap check at its defaults), the kernel check first on one GPU, packed rows through varlen under
-FSDP2 and a second phase with sequence parallelism and the optimizer offloaded; train.py accepts every command's
-flags (its --plan); the kernel check's comparison, run on the CPU with sdpa against its per-sequence reference,
-passes right boundaries and catches wrong ones; and the Hugging Face cache it builds resolves the hub name offline.
+FSDP2 and a second phase with sequence parallelism and the optimizer offloaded, and last the routing pair (the
+MoE colocated with --routing-replay true and record, two at once where two GPUs are free, one after the other on
+one); train.py accepts every command's flags (its --plan), and refuses the pair's on a CPU with vLLM; the pair's
+comparison passes and fails as it should; the kernel check's comparison, run on the CPU with sdpa against its
+per-sequence reference, passes right boundaries and catches wrong ones; and the Hugging Face cache it builds
+resolves the hub name offline.
 
-    python -m pytest tests/test_gpu_check.py -q      # ~60 s on 2 cores
+    python -m pytest tests/test_gpu_check.py -q      # ~50 s on 2 cores
 """
 import importlib.util
 import json
@@ -65,7 +68,9 @@ def test_dry_run_placements(n):
     assert kernel_env["CUDA_VISIBLE_DEVICES"] == "0", "on one GPU"
     assert "train.py" not in kernel_cmd and "--kernel" in kernel_flags
     phases = [[c[1:] for c in commands if c[0] == p] for p in range(1, max(c[0] for c in commands) + 1)]
-    assert len(phases) == (2 if n >= 4 else 1), "a second phase where there is an fsdp run"
+    pair = [(i, c) for i, phase in enumerate(phases) for c in phase if c[2]["--routing-replay"] != "false"]
+    # a second phase where there is an fsdp run; then the routing pair, in a phase of its own (two on one GPU)
+    assert len(phases) == (2 if n >= 4 else 1) + (2 if n == 1 else 1)
     first_env, first, flags = phases[0][0]
     assert flags["--model"] == check.HUB["moe"], "the MoE model runs on every GPU count, first"
     torchrun, ranks = launcher(first)
@@ -85,11 +90,34 @@ def test_dry_run_placements(n):
         used = [g for env, _, _ in phase for g in env["CUDA_VISIBLE_DEVICES"].split(",")]
         assert len(used) == len(set(used)) and set(used) <= {str(i) for i in range(n)}, "runs at once share no GPU"
     assert len(phases[0]) == (2 if n == 8 else 1), "the dense model runs only on GPUs left idle"
+    assert [flags["--routing-replay"] for _, (_, _, flags) in pair] == ["true", "record"], "replay first"
+    if n == 1:  # one after the other, a phase each, on the one GPU
+        assert [i for i, _ in pair] == [1, 2] and len(phases[1]) == len(phases[2]) == 1
+    else:  # at once on two GPUs, after the other runs (none idle in the last phase of 2, 4 or 8 GPUs)
+        assert [i for i, _ in pair] == [len(phases) - 1] * 2 and len(phases[-1]) == 2
+        assert [env["CUDA_VISIBLE_DEVICES"] for _, (env, _, _) in pair] == ["0", "1"]
+    (_, replay), (_, record) = pair
+    for env, words, flags in (replay, record):  # the MoE colocated (the placement of every count), short
+        assert flags["--model"] == check.HUB["moe"] and env["CUDA_VISIBLE_DEVICES"] in ("0", "1")
+        assert not launcher(words)[0] and "--rollout-gpus" not in flags and "--rollout-tp" not in flags
+        assert flags["--steps"] == str(check.ROUTING_STEPS) and check.ROUTING_STEPS < check.STEPS
+        assert flags["--pack"] == "true" and flags["--attn-implementation"] == "varlen"
+        assert flags["--engine"] == "vllm" and flags["--dtype"] == "bfloat16"
+    assert replay[2]["--out"] != record[2]["--out"]
+    same = ("--routing-replay", "--out")
+    assert {k: v for k, v in replay[2].items() if k not in same} == {k: v for k, v in record[2].items() if k not in same}
+    if n == 1:  # the first phase's run but for its steps, --out and routing
+        colocated = phases[0][0][2]
+        assert colocated["--routing-replay"] == "false"
+        assert {k: v for k, v in colocated.items() if k not in (*same, "--steps")} == \
+            {k: v for k, v in replay[2].items() if k not in (*same, "--steps")}
     for env, words, flags in phases[0]:  # packed rows through varlen, as the preset trains; padded ones when split
         split = not launcher(words)[0] and "--rollout-gpus" in flags
         assert flags["--pack"] == ("false" if split else "true")
         assert flags["--attn-implementation"] == ("sdpa" if split else "varlen")
         assert flags["--sp"] == "1" and flags["--offload-optimizer"] == "false", "never left to the memory plan"
+    others = [c for phase in phases for c in phase if c[2]["--routing-replay"] == "false"]
+    assert len(others) + 2 == sum(map(len, phases)), "routing only in the pair: the other runs check the default"
     if n >= 4:  # the fsdp runs again, same GPUs and placement, with SP over both ranks and the optimizer offloaded
         again = [c for c in phases[0] if launcher(c[1])[0]]
         assert len(phases[1]) == len(again) == (2 if n == 8 else 1)
@@ -116,32 +144,171 @@ def test_dry_run_placements(n):
             "the engine/trainer gap check and the engine's memory stay at their defaults"
         for flag in ("--preset", "--lr", "--steps", "--group-size", "--prompts-per-step", "--train-groups",
                      "--max-prompt-len", "--eval-data", "--out", "--data", "--seed", "--temperature", "--pack",
-                     "--attn-implementation", "--sp", "--offload-optimizer"):
+                     "--attn-implementation", "--sp", "--offload-optimizer", "--routing-replay"):
             assert flag in flags, f"{flag} is passed explicitly"
         assert flags["--eval-data"] == ""
         if launcher(words)[0]:
             assert flags["--dist-timeout"] == "600"
 
 
+def test_routing_pair_placement():
+    """On every GPU count the routing pair is the MoE colocated, one GPU each, replay then record: on 6-7 GPUs in
+    the second phase, beside the fsdp run on the GPUs the dense run left; else in a phase after the others,
+    both at once, or on one GPU in a phase each."""
+    for n in range(1, 9):
+        phases = check.plan_runs([str(i) for i in range(n)], "/w")
+        pair = [(i, r) for i, phase in enumerate(phases) for r in phase if r.variant in check.ROUTING_VARIANTS]
+        assert [r.variant for _, r in pair] == ["replay", "record"], n
+        assert all(r.placement == "colocated" and r.model == "moe" and len(r.gpus) == 1 for _, r in pair)
+        assert all(r.steps == check.ROUTING_STEPS and f"--steps {r.steps} " in " ".join(r.cmd) for _, r in pair)
+        for phase in phases:
+            used = [g for r in phase for g in r.gpus]
+            assert len(used) == len(set(used)), f"{n} GPUs: runs at once share no GPU"
+        if n == 1:
+            assert len(phases) == 3 and [i for i, _ in pair] == [1, 2]
+        elif n in (6, 7):
+            assert len(phases) == 2 and [i for i, _ in pair] == [1, 1] and [r.gpus for _, r in pair] == [["4"], ["5"]]
+        else:
+            assert [i for i, _ in pair] == [len(phases) - 1] * 2 and len(phases[-1]) == 2
+            assert [r.gpus for _, r in pair] == [["0"], ["1"]]
+
+
+# train.py's checks of each command's flags, in one process (train.py's imports take most of a run): every
+# command's --plan, under its environment (torchrun's rank 0 for the fsdp ones); a JSON line each: what train.py
+# printed, or the error it stops with
+ACCEPTS = """if True:
+    import contextlib, io, json, os, sys
+    sys.path.insert(0, os.getcwd())
+    import train
+    with open(sys.argv[1]) as f:
+        commands = json.load(f)
+    for label, env, flags in commands:
+        for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK"):
+            os.environ.pop(key, None)
+        os.environ.update(env)
+        out, err, error = io.StringIO(), io.StringIO(), None
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                train.main(train.parse_config(flags + ["--plan", "true"]))
+        except (ValueError, FileNotFoundError) as e:
+            error = str(e)
+        except SystemExit as e:  # argparse refused a flag
+            error = f"exit {e.code}: {err.getvalue()}"
+        print(json.dumps({"label": label, "stdout": out.getvalue(), "error": error}), flush=True)
+"""
+
+
 def test_train_accepts_the_commands(tmp_path):
     """Every kind of run the check starts (colocated, split, fsdp packed, fsdp with SP 2 and the optimizer
-    offloaded) passes train.py's checks of its flags against the check's models: train.py --plan with them, as
-    torchrun's rank 0 for the fsdp ones. A flag train.py refuses shows here, not on a GPU machine."""
+    offloaded, the routing pair) passes train.py's checks of its flags against the check's models: train.py
+    --plan with them, as torchrun's rank 0 for the fsdp ones. A flag train.py refuses shows here, not on a GPU
+    machine. The pair's flags on a CPU: refused with vLLM (its routed experts need the GPU build), accepted with
+    the transformers engine."""
     check.make_models(str(tmp_path), ["moe"])
     check.make_data(str(tmp_path / "data.jsonl"))
     runs = {(r.placement, r.variant): r for n in (1, 2, 4) for phase in check.plan_runs(
         [str(i) for i in range(n)], str(tmp_path)) for r in phase}
     assert set(runs) == {("colocated", "packed"), ("split", "unpacked"), ("fsdp", "packed"),
-                         ("fsdp", "sp2_offload")}
+                         ("fsdp", "sp2_offload"), ("colocated", "replay"), ("colocated", "record")}
+    commands = []
     for (name, variant), r in runs.items():
-        env = {**os.environ, **r.env, "CUDA_VISIBLE_DEVICES": ""}
-        if name == "fsdp":
-            env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", RANK="0")
-        flags = r.cmd[r.cmd.index("train.py") + 1:]
-        proc = run([sys.executable, "train.py", *flags, "--plan", "true"], timeout=120, env=env)
-        assert proc.returncode == 0, f"{name}/{variant}: {proc.stderr[-3000:]}"
+        env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0"} if name == "fsdp" else {}
+        commands.append((f"{name}/{variant}", env, r.cmd[r.cmd.index("train.py") + 1:]))
+    replay = runs["colocated", "replay"].cmd
+    replay = replay[replay.index("train.py") + 1:]
+
+    def on_cpu(flags, engine):  # sdpa: varlen is a GPU kernel
+        out = list(flags)
+        for flag, value in (("--device", "cpu"), ("--engine", engine), ("--attn-implementation", "sdpa")):
+            out[out.index(flag) + 1] = value
+        return out
+
+    commands += [("cpu/vllm", {}, on_cpu(replay, "vllm")), ("cpu/hf", {}, on_cpu(replay, "hf"))]
+    env = {**os.environ, **runs["colocated", "packed"].env, "CUDA_VISIBLE_DEVICES": ""}
+    (tmp_path / "commands.json").write_text(json.dumps(commands))
+    proc = run([sys.executable, "-c", ACCEPTS, str(tmp_path / "commands.json")], timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {rec["label"]: rec for rec in map(json.loads, proc.stdout.strip().splitlines())}
+    assert list(got) == [label for label, _, _ in commands]
+    for (name, variant), r in runs.items():
+        rec = got[f"{name}/{variant}"]
+        assert rec["error"] is None, f"{name}/{variant}: {rec['error']}"
         sp, offload = check.VARIANTS[variant]["--sp"], check.VARIANTS[variant]["--offload-optimizer"]
-        assert f"--sp {sp}, --offload-optimizer {offload}" in proc.stdout, proc.stdout[:500]
+        assert f"--sp {sp}, --offload-optimizer {offload}" in rec["stdout"], rec["stdout"][:500]
+    refused = "its CPU build lacks; on CPU use --engine hf" if importlib.util.find_spec("vllm") else \
+        "vLLM is not installed"
+    assert refused in (got["cpu/vllm"]["error"] or ""), got["cpu/vllm"]
+    assert got["cpu/hf"]["error"] is None, got["cpu/hf"]["error"]
+
+
+def routing_run(tmp_path, variant: str, recs: list[dict]) -> dict:
+    """result()'s line for a routing-pair run that exited 0 having written `recs` to metrics.jsonl, with a
+    stand-in model (one weight) released in the cache and moved by 1e-3 in its last checkpoint."""
+    import torch
+    from safetensors.torch import save_file
+    work = str(tmp_path / variant)
+    r = check.make_run("colocated", "moe", ["0"], ["train.py"], variant, work, sys.executable, check.ROUTING_STEPS)
+    repo = os.path.join(r.env["HF_HOME"], "hub", "models--" + check.HUB["moe"].replace("/", "--"))
+    os.makedirs(os.path.join(repo, "snapshots", "c0"))
+    os.makedirs(os.path.join(repo, "refs"))
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write("c0")
+    save_file({"w": torch.zeros(4)}, os.path.join(repo, "snapshots", "c0", "model.safetensors"))
+    os.makedirs(os.path.join(r.out, f"step_{r.steps:06d}"))
+    save_file({"w": torch.full((4,), 1e-3)}, os.path.join(r.out, f"step_{r.steps:06d}", "model.safetensors"))
+    with open(os.path.join(r.out, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(rec) + "\n" for rec in [{"step": 0}, *recs])
+    open(os.path.join(r.out, "stderr.log"), "w").close()
+    return check.result(r, 0, False, 1.0, {}, 2.0, 60)
+
+
+def gap(step: int, mismatch, kl, diff_max=0.1) -> dict:
+    return {"step": step, "rollout/routing_mismatch": mismatch, "rollout/engine_kl": kl,
+            "rollout/logprob_diff_max": diff_max, "rollout/logprob_diff_mean": 0.01, "rollout/logprob_diff_p99": 0.05}
+
+
+def test_routing_comparison(tmp_path):
+    """A pair run's line has the mean and largest over its steps of the mismatch and the gap; the comparison
+    sets replay beside record, passes when replay's KL is within REPLAY_KL_RATIO of record's (or both under the
+    floor), and fails on a failed or missing run, a mismatch never measured, and a replay that widens the gap."""
+    replay = routing_run(tmp_path, "replay", [gap(1, 0.0, 1e-4), gap(2, 0.0, 2e-4), gap(3, 0.0, 3e-4, 0.3)])
+    record = routing_run(tmp_path, "record", [gap(1, 0.04, 2e-4), gap(2, 0.02, 1e-4), gap(3, 0.03, 3e-4)])
+    assert replay["ok"] and record["ok"], (replay["error"], record["error"])
+    assert replay["flags"]["--routing-replay"] == "true" and record["flags"]["--routing-replay"] == "record"
+    assert record["routing"]["rollout/routing_mismatch"] == pytest.approx({"mean": 0.03, "max": 0.04, "steps": 3})
+    assert replay["routing"]["rollout/engine_kl"] == pytest.approx({"mean": 2e-4, "max": 3e-4, "steps": 3})
+    assert replay["routing"]["rollout/logprob_diff_max"]["max"] == 0.3
+    both = check.compare_routing([{"variant": "packed", "ok": True}, replay, record])
+    assert both["ok"] and both["error"] is None and both["steps"] == check.ROUTING_STEPS
+    assert set(both) >= set(check.ROUTING_KEYS)
+    assert both["rollout/engine_kl"] == {"replay": replay["routing"]["rollout/engine_kl"],
+                                         "record": record["routing"]["rollout/engine_kl"]}
+    assert check.compare_routing([{"variant": "packed", "ok": False}]) is None, "no pair, no comparison"
+
+    def kl(run, mean):
+        return dict(run, routing={**run["routing"], "rollout/engine_kl": {"mean": mean, "max": mean, "steps": 3}})
+
+    assert not check.compare_routing([kl(replay, 2.1 * 2e-4), record])["ok"]
+    wider = check.compare_routing([kl(replay, 1e-3), record])
+    assert "replay widened the engine/trainer gap" in wider["error"]
+    noise = check.compare_routing([kl(replay, 1.9 * check.REPLAY_KL_FLOOR), kl(record, 1e-7)])
+    assert noise["ok"], "under the floor both are bf16 noise"
+    import ulorl
+    assert check.REPLAY_KL_FLOOR == ulorl.KL_FLOOR
+    assert "the record run did not run" in check.compare_routing([replay])["error"]
+    failed = check.compare_routing([replay, dict(record, ok=False, error="exit status 1")])
+    assert not failed["ok"] and "the record run failed" in failed["error"]
+    # a run whose engine returned no routing where the gap was measured, or none at all, fails on its own
+    null = routing_run(tmp_path / "null", "record", [gap(1, 0.04, 2e-4), gap(2, None, 1e-4), gap(3, 0.03, 3e-4)])
+    assert not null["ok"] and "routing_mismatch null at steps [2]" in null["error"]
+    absent = routing_run(tmp_path / "absent", "replay", [
+        {k: v for k, v in gap(i, 0.0, 1e-4).items() if k != "rollout/routing_mismatch"} for i in (1, 2, 3)])
+    assert not absent["ok"] and "no rollout/routing_mismatch in the records of steps [1, 2, 3]" in absent["error"]
+    assert absent["routing"]["rollout/routing_mismatch"] is None
+    missing = check.compare_routing([dict(absent, ok=True), record])
+    assert not missing["ok"] and "rollout/routing_mismatch missing from the replay run" in missing["error"]
+    assert check.routing_unmeasured([gap(1, 0.1, None), gap(2, None, None)], "rollout/engine_kl") == \
+        "rollout/routing_mismatch was never measured after a weight sync (null)"
 
 
 def test_kernel_comparison_on_cpu():

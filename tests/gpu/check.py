@@ -32,6 +32,17 @@ between all-to-alls) and --offload-optimizer true (FSDP2's CPUOffloadPolicy: mas
 host memory). Checks that the all-to-alls, the group's sums and the host-memory optimizer train as the first
 phase does, and what they cost in step time against what they save in GPU memory.
 
+Last, rollout routing replay: the MoE model's colocated run, shorter (ROUTING_STEPS steps), twice, with
+--routing-replay true (vLLM returns every token's experts, through its V2 model runner; the trainer's forwards
+use them) and --routing-replay record (the same routing kept and compared, never replayed: the baseline without
+replay, its mismatch still measured). Colocated is the placement every GPU count has, so the comparison is the
+same on all; the two run at the same time on two GPUs the last phase leaves idle (N = 6-7: no time added),
+else in a phase of their own after it (N >= 2), else one after the other on the one GPU (a phase each). Each
+run's line has the mean and largest over its steps of rollout/routing_mismatch (the share of (token, layer)
+decisions where the trainer's router picks other experts than the engine's), rollout/engine_kl and
+rollout/logprob_diff_max; the summary has them side by side, and the comparison fails when either run does,
+when the mismatch was not measured, or when replay's engine_kl is over REPLAY_KL_RATIO times record's.
+
 Every run has the headline's shape: a random qwen3_moe with 64 experts and top-8 routing, loaded by a hub
 name (ulorl-check/moe64) from a Hugging Face cache this script builds (HF_HUB_OFFLINE=1); YaRN over 8192
 positions x 4 = 32768, the engine's max_model_len (64 prompt + 32704 response tokens in 64 segments);
@@ -41,11 +52,13 @@ measured after a weight sync and stayed under the default stop threshold, and tr
 
 Prints the kernel check's JSON line, then one per run (gap statistics, sync seconds, tokens/s, seconds a step
 and of it outside rollout and sync, peak MiB per GPU, seconds to the first step, how far the weights moved),
-then a summary line; exits 1 when the kernel check or a run fails.
+then a summary line (the routing-replay comparison in it); exits 1 when the kernel check, a run or the
+comparison fails.
 
-    bash tests/gpu/check.sh                       # every visible GPU; needs vllm==0.32.0; on 4+ GPUs two phases,
-                                                  # up to ~20 minutes (--timeout 540 a run)
-    bash tests/gpu/check.sh --gpus 1              # the colocated placement alone: under 10 minutes (--timeout 540 a run)
+    bash tests/gpu/check.sh                       # every visible GPU; needs vllm==0.32.0; on 4+ GPUs two phases
+                                                  # and the routing pair, up to ~25 minutes (--timeout 540 a run)
+    bash tests/gpu/check.sh --gpus 1              # the colocated placement alone, then the routing-replay pair one
+                                                  # after the other: under 15 minutes (--timeout 540 a run)
     bash tests/gpu/check.sh --dry-run --gpus 8    # the commands for 8 GPUs, one a line; no GPU, no models
     bash tests/gpu/check.sh --kernel              # the kernel check alone (one GPU, seconds)
 """
@@ -79,15 +92,36 @@ PROMPT_LEN, RESPONSE_LEN, SEGMENTS = 64, 32704, 64  # 64 + 32704 = 32768: a samp
 TEMPERATURE, LR, STEPS = 0.85, 1e-5, 4  # at 1e-4 one AdamW step reshapes a random model
 MEAN_LEN = 256  # eos_bias sets P(EOS) ~ 1/MEAN_LEN a token: responses of ~MEAN_LEN tokens on average, geometric
 GAP_KEYS = ("rollout/engine_kl", "rollout/logprob_diff_mean", "rollout/logprob_diff_p99", "rollout/logprob_diff_max")
-# The trainer's rows and parallelism, by variant (always given: the ulorl preset leaves --sp and
+# The trainer's rows, parallelism and routing, by variant (always given: the ulorl preset leaves --sp and
 # --offload-optimizer to the memory plan). "unpacked": padded rows through sdpa (split). "packed": packed
 # rows through the varlen kernel, as the preset trains (fsdp, colocated). "sp2_offload": that with Ulysses sequence parallelism
-# over the two trainer ranks and FSDP2's optimizer offload (fsdp, second phase).
+# over the two trainer ranks and FSDP2's optimizer offload (fsdp, second phase). "replay" and "record": packed,
+# with the engine's experts replayed in the trainer's forwards, or only kept and compared (the routing pair).
+PACKED = {"--pack": "true", "--attn-implementation": "varlen", "--sp": "1", "--offload-optimizer": "false"}
 VARIANTS = {
-    "unpacked": {"--pack": "false", "--attn-implementation": "sdpa", "--sp": "1", "--offload-optimizer": "false"},
-    "packed": {"--pack": "true", "--attn-implementation": "varlen", "--sp": "1", "--offload-optimizer": "false"},
-    "sp2_offload": {"--pack": "true", "--attn-implementation": "varlen", "--sp": "2", "--offload-optimizer": "true"},
+    "unpacked": {"--pack": "false", "--attn-implementation": "sdpa", "--sp": "1", "--offload-optimizer": "false",
+                 "--routing-replay": "false"},
+    "packed": {**PACKED, "--routing-replay": "false"},
+    "sp2_offload": {"--pack": "true", "--attn-implementation": "varlen", "--sp": "2", "--offload-optimizer": "true",
+                    "--routing-replay": "false"},
+    "replay": {**PACKED, "--routing-replay": "true"},
+    "record": {**PACKED, "--routing-replay": "record"},
 }
+# The routing pair: its variants (replay first), its steps (step 1 on the weights both engine and trainer loaded,
+# the others after a weight sync: the routing the engine returns must follow the synced weights) and what its
+# lines and the summary compare.
+ROUTING_VARIANTS, ROUTING_STEPS = ("replay", "record"), 3
+ROUTING_KEYS = ("rollout/routing_mismatch", "rollout/engine_kl", "rollout/logprob_diff_max")
+# Replay must not widen the engine/trainer gap: the comparison fails when replay's mean engine_kl is over
+# REPLAY_KL_RATIO times record's (or over that times REPLAY_KL_FLOOR, when record's is below it). Replaying the
+# engine's experts removes the routing part of the gap (where the trainer's router, at a near-tie in bf16, picks
+# other top-8 experts than the engine's, the token goes through other MLPs) and leaves the rest (bf16 rounding in
+# attention and the matmuls) as it is, so replay's KL should be record's or less. The two runs sample the same
+# first step (same seed and weights) but differ after the first update, and a few steps' KL is noisy (its tail
+# tokens dominate it): 2x leaves room for that, while replayed experts that are wrong (off by a position, a layer
+# or a sample) give a random model's MLP output on those tokens, a KL many times record's. Below the floor
+# (ulorl.KL_FLOOR, bf16 noise's reach on a small model) both are noise, and their ratio says nothing.
+REPLAY_KL_RATIO, REPLAY_KL_FLOOR = 2.0, 5e-5
 
 
 # ----------------------------------------------------------------------------- placements and commands
@@ -101,6 +135,7 @@ class Run:
     env: dict  # what the run needs over the check's own environment
     out: str
     variant: str = ""  # a key of VARIANTS
+    steps: int = STEPS  # its --steps
 
 
 def engine_tp(engine_gpus: int) -> int:
@@ -122,13 +157,13 @@ def placement(n: int) -> tuple[str, int, list[str]]:
     return "colocated", 1, ["train.py"]
 
 
-def train_flags(model: str, data: str, out: str, variant: str) -> list[str]:
+def train_flags(model: str, data: str, out: str, variant: str, steps: int = STEPS) -> list[str]:
     """train.py's flags past the placement: the ulorl preset at small size, every value the run depends on
-    given (a hub name alone implies the preset), the rows and parallelism of `variant` (VARIANTS). The gap
-    flags and --rollout-mem are left to their defaults on purpose: the check is of those."""
+    given (a hub name alone implies the preset), the rows, parallelism and routing of `variant` (VARIANTS). The
+    gap flags and --rollout-mem are left to their defaults on purpose: the check is of those."""
     return ["--preset", "ulorl", "--model", HUB[model], "--engine", "vllm", "--device", "cuda", "--dtype", "bfloat16",
             "--data", data, "--prompt-key", "prompt", "--answer-key", "answer", "--default-verifier", "ifeval",
-            "--eval-data", "", "--eval-every", "0", "--out", out, "--seed", "0", "--steps", str(STEPS),
+            "--eval-data", "", "--eval-every", "0", "--out", out, "--seed", "0", "--steps", str(steps),
             "--rope-scaling-factor", str(YARN), "--rope-original-max-positions", str(SHAPE["max_position_embeddings"]),
             "--max-prompt-len", str(PROMPT_LEN), "--max-response-len", str(RESPONSE_LEN), "--segments", str(SEGMENTS),
             # as many groups trained as in flight: every step trains tokens the newest weights sampled, so the
@@ -146,7 +181,8 @@ def plan_runs(visible: list[str], work: str, python: str = sys.executable) -> li
     """The runs on the GPUs `visible` (CUDA_VISIBLE_DEVICES entries), in phases that run one after the other.
     Phase 1: the MoE model in their count's placement, the dense model in the placement of those left idle, if
     any; their GPUs never overlap, so they run at the same time. Phase 2, where phase 1 has fsdp runs: those
-    again on the same GPUs with sequence parallelism and the optimizer in host memory (sp2_offload)."""
+    again on the same GPUs with sequence parallelism and the optimizer in host memory (sp2_offload). Then the
+    routing pair (routing_pair)."""
     first, free = [], list(visible)
     for model in ("moe", "dense"):
         if not free:
@@ -156,17 +192,36 @@ def plan_runs(visible: list[str], work: str, python: str = sys.executable) -> li
         first.append(make_run(name, model, gpus, launcher, "unpacked" if name == "split" else "packed", work, python))
     second = [make_run(r.placement, r.model, r.gpus, placement(len(r.gpus))[2], "sp2_offload", work, python)
               for r in first if r.placement == "fsdp"]
-    return [first, second] if second else [first]
+    return routing_pair([first, second] if second else [first], visible, work, python)
+
+
+def routing_pair(phases: list[list[Run]], visible: list[str], work: str, python: str) -> list[list[Run]]:
+    """`phases` with the routing pair added where it costs least: the MoE model's colocated run (one GPU each),
+    ROUTING_STEPS steps, with --routing-replay true and record. Both in the last phase when it leaves two of
+    `visible` idle, else both at once in a phase of their own, else (one GPU) one phase each, replay first."""
+    name, _, launcher = placement(1)
+    busy = {g for r in phases[-1] for g in r.gpus}
+    idle = [g for g in visible if g not in busy]
+
+    def pair(gpus):
+        return [make_run(name, "moe", [g], launcher, v, work, python, ROUTING_STEPS)
+                for g, v in zip(gpus, ROUTING_VARIANTS)]
+
+    if len(idle) >= 2:
+        return phases[:-1] + [phases[-1] + pair(idle)]
+    if len(visible) >= 2:
+        return phases + [pair(visible)]
+    return phases + [[r] for r in pair(visible * len(ROUTING_VARIANTS))]
 
 
 def make_run(name: str, model: str, gpus: list[str], launcher: list[str], variant: str, work: str,
-             python: str) -> Run:
+             python: str, steps: int = STEPS) -> Run:
     """One training run: its GPUs (CUDA_VISIBLE_DEVICES), the offline Hugging Face cache, an --out of its own."""
     out = os.path.join(work, "runs", f"{name}_{variant}_{model}")
     env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # nvidia-smi's numbering
            "HF_HOME": os.path.join(work, "hf"), "HF_HUB_CACHE": os.path.join(work, "hf", "hub"), "HF_HUB_OFFLINE": "1"}
-    cmd = [python, *launcher, *train_flags(model, os.path.join(work, "data.jsonl"), out, variant)]
-    return Run(name, model, gpus, cmd, env, out, variant)
+    cmd = [python, *launcher, *train_flags(model, os.path.join(work, "data.jsonl"), out, variant, steps)]
+    return Run(name, model, gpus, cmd, env, out, variant, steps)
 
 
 def kernel_command(gpu: str, python: str = sys.executable) -> tuple[dict, list[str]]:
@@ -359,7 +414,7 @@ def weights_moved(hf_home: str, run: Run) -> float | None:
     from safetensors.torch import load_file
     start, end = {}, {}
     for tensors, folder in ((start, snapshot_dir(hf_home, HUB[run.model])),
-                            (end, os.path.join(run.out, f"step_{STEPS:06d}"))):
+                            (end, os.path.join(run.out, f"step_{run.steps:06d}"))):
         for path in glob.glob(os.path.join(folder, "*.safetensors")):
             tensors.update(load_file(path))
     common = start.keys() & end.keys()
@@ -396,6 +451,9 @@ def result(run: Run, rc: int, timed_out: bool, first_step_s, peaks: dict, wall: 
                trainer_peak_mib=round(max(trainer_peaks)) if trainer_peaks else None,
                first_step_s=round(first_step_s, 1) if first_step_s is not None else None, wall_s=round(wall, 1),
                weights_moved=None)
+    if run.variant in ROUTING_VARIANTS:  # the pair's figures: mean and largest over the steps that measured them
+        out["routing"] = {k: {"mean": sum(values(k)) / len(values(k)), "max": max(values(k)), "steps": len(values(k))}
+                          if values(k) else None for k in ROUTING_KEYS}
     with open(os.path.join(run.out, "stderr.log"), errors="replace") as f:
         tail = f.read()[-3000:]
     if timed_out:
@@ -406,18 +464,59 @@ def result(run: Run, rc: int, timed_out: bool, first_step_s, peaks: dict, wall: 
         hf_home = run.env["HF_HOME"]
         out["weights_moved"] = moved = weights_moved(hf_home, run)
         key, limit = gap_stop()
-        if len(recs) < STEPS:
-            out["error"] = f"train.py exited 0 after {len(recs)} of {STEPS} steps"
+        if len(recs) < run.steps:
+            out["error"] = f"train.py exited 0 after {len(recs)} of {run.steps} steps"
         elif moved is None:
-            out["error"] = f"no weight of {HUB[run.model]} in the checkpoint step_{STEPS:06d} to compare"
+            out["error"] = f"no weight of {HUB[run.model]} in the checkpoint step_{run.steps:06d} to compare"
         elif moved < LR / 2:  # one AdamW step moves a weight with a gradient by about the learning rate
             out["error"] = f"training did not move the weights: the largest change is {moved:.3g} < lr/2"
         elif not any(r.get(key) is not None for r in recs if r["step"] >= 2):
             out["error"] = f"the engine/trainer gap was never measured after a weight sync ({key} null)"
         elif limit and gaps[key] > limit:
             out["error"] = f"{key} {gaps[key]:.3g} over the default stop threshold {limit}"
+        elif run.variant in ROUTING_VARIANTS and (why := routing_unmeasured(recs, key)):
+            out["error"] = why
         else:
             out["ok"] = True
+    return out
+
+
+def routing_unmeasured(recs: list[dict], gap_key: str) -> str | None:
+    """Why the step records `recs` of a routing-pair run lack rollout/routing_mismatch, or None. It is in every
+    step's record under --routing-replay true or record, and a number wherever the gap (`gap_key`) is: both
+    are of the positions the current weights sampled, where the engine returned its routing."""
+    key = ROUTING_KEYS[0]
+    if absent := [r["step"] for r in recs if key not in r]:
+        return f"no {key} in the records of steps {absent}: the run did not keep the engine's routing"
+    if null := [r["step"] for r in recs if r[key] is None and r.get(gap_key) is not None]:
+        return f"{key} null at steps {null}, where {gap_key} was measured: the engine returned no routing"
+    if not any(r[key] is not None for r in recs if r["step"] >= 2):
+        return f"{key} was never measured after a weight sync (null)"
+    return None
+
+
+def compare_routing(results: list[dict]) -> dict | None:
+    """The routing pair's runs (results' lines) side by side: for each of ROUTING_KEYS, replay's figures and
+    record's; ok when both runs are, each measured the mismatch, and replay's mean engine_kl is within
+    REPLAY_KL_RATIO of record's (see there). None when `results` holds no routing-pair run."""
+    runs = {r["variant"]: r for r in results if r["variant"] in ROUTING_VARIANTS}
+    if not runs:
+        return None
+    figures = {v: (runs[v].get("routing") or {}) if v in runs else {} for v in ROUTING_VARIANTS}
+    out = {"ok": False, "error": None, "steps": ROUTING_STEPS,
+           **{k: {v: figures[v].get(k) for v in ROUTING_VARIANTS} for k in ROUTING_KEYS}}
+    problems = [f"the {v} run " + ("did not run" if v not in runs else "failed") for v in ROUTING_VARIANTS
+                if not runs.get(v, {}).get("ok")]
+    problems += [f"{ROUTING_KEYS[0]} missing from the {v} run" for v in ROUTING_VARIANTS
+                 if v in runs and not figures[v].get(ROUTING_KEYS[0])]
+    kl = {v: (figures[v].get("rollout/engine_kl") or {}).get("mean") for v in ROUTING_VARIANTS}
+    if None in kl.values():
+        problems.append("rollout/engine_kl missing: " + ", ".join(v for v, x in kl.items() if x is None))
+    elif kl["replay"] > REPLAY_KL_RATIO * max(kl["record"], REPLAY_KL_FLOOR):
+        problems.append(f"replay widened the engine/trainer gap: mean rollout/engine_kl {kl['replay']:.3g} against "
+                        f"record's {kl['record']:.3g}, over {REPLAY_KL_RATIO:g}x (floor {REPLAY_KL_FLOOR:g})")
+    out["ok"] = not problems
+    out["error"] = "; ".join(problems) or None
     return out
 
 
@@ -637,10 +736,13 @@ def main() -> int:
         for r in execute(phase, args.timeout):
             print(json.dumps(r), flush=True)
             results.append(r)
+    routing = compare_routing(results)
     failed = ([] if kernel["ok"] else ["kernel"]) + \
-        [f"{r['placement']}/{r['variant']}/{r['model']}" for r in results if not r["ok"]]
+        [f"{r['placement']}/{r['variant']}/{r['model']}" for r in results if not r["ok"]] + \
+        (["routing_replay"] if routing and not routing["ok"] else [])
     print(json.dumps({"check": "gpu", "gpus": len(visible), "name": torch.cuda.get_device_name(0),
                       "ok": not failed, "failed": failed, "runs": len(results), "phases": len(phases),
+                      "routing_replay": routing,
                       "kernel_s": round(t1 - t0, 1), "build_s": round(build_s, 1),
                       "wall_s": round(time.time() - t0, 1), "work": work}), flush=True)
     return 1 if failed else 0
