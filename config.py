@@ -194,6 +194,11 @@ class Config:
                                  ok=(lambda v: v == 0 or v > 1, "must be 0 (off) or > 1"))
     on_engine_kl: str = flag("stop", "stop (before the update) or warn when the engine/trainer KL check fails: a "
                                      "wrong engine silently trains on garbage", choices=["stop", "warn"])
+    overlap: int = flag(0, "rollout overlapped with training: the engine (in a process of its own: --engine vllm, on "
+                           "--rollout-gpus on GPU) decodes the next step's first segment round with the current "
+                           "weights while the trainers update, so those tokens are one version old "
+                           "(staleness/engine_lag; POIS/SAIS correct them as any older segment's); 0 = off",
+                        ok=(lambda v: v in (0, 1), "must be 0 (off) or 1 (one round in flight)"))
     routing_replay: str = flag("false", "Mixture-of-Experts models: the engine returns the experts each layer "
                                         "routed every token to (uint8 ids, kept with the samples and checkpoints) "
                                         "and the trainer's forwards use them, with gate weights from its own router "
@@ -331,6 +336,9 @@ def config_problems(cfg: Config) -> list[str]:
     if cfg.is_mode == "tois" and cfg.segments > 1:
         out.append(f"--is-mode tois is defined for one segment (every token sampled by the weights being updated); "
                    f"with --segments {cfg.segments} use sais or pois")
+    if cfg.overlap and cfg.is_mode == "tois":
+        out.append(f"--overlap {cfg.overlap} trains tokens of the previous weights; --is-mode tois admits only the "
+                   f"current ones: use pois or sais")
     if cfg.top_p < 1 or cfg.top_k > 0:
         out.append(f"--top-p {cfg.top_p} / --top-k {cfg.top_k}: training samples with top_p 1 and no top-k (both "
                    f"papers): the trainer's log-probs are over the full distribution, so a truncated one would bias "

@@ -78,10 +78,22 @@ def rollout_step(engine, pools: Pools, new_groups: list[list[Sample]], segment_l
     """Decode at most one segment for every unfinished sample and every new sample, then sort each one into
     the experience pool (EOS or global cap) or back into the unfinished pool (segment cap). `sampling` is
     the engine's (engine.Sampling); `version` is stamped on every token decoded now."""
-    batch = pools.unfinished + [s for g in new_groups for s in g]
-    pools.unfinished = batch  # new samples join the pool first: if the engine raises, nothing is lost
-    budgets = [min(segment_len, max_len - len(s.tokens)) for s in batch]
+    batch, budgets = begin_round(pools, new_groups, segment_len, max_len)
     gens = engine.generate([s.prompt_ids + s.tokens for s in batch], budgets, sampling, keys=[s.uid for s in batch])
+    return end_round(pools, batch, budgets, gens, max_len, version)
+
+
+def begin_round(pools: Pools, new_groups: list[list[Sample]], segment_len: int, max_len: int) -> tuple[list, list]:
+    """A round's (batch, token budgets): the unfinished samples and the new ones, each up to one segment. New
+    samples join the unfinished pool first: if the engine raises, nothing is lost."""
+    batch = pools.unfinished + [s for g in new_groups for s in g]
+    pools.unfinished = batch
+    return batch, [min(segment_len, max_len - len(s.tokens)) for s in batch]
+
+
+def end_round(pools: Pools, batch: list[Sample], budgets: list[int], gens: list, max_len: int, version: int) -> dict:
+    """The engine's generations (engine.Generation per batch sample, sampled by policy `version`) appended and
+    each sample sorted: the experience pool (EOS or global cap) or the unfinished pool (segment cap)."""
     pools.unfinished = []
     for s, g, budget in zip(batch, gens, budgets):
         s.routing = g.routing

@@ -16,7 +16,8 @@ One step, in paper order (ulorl.py maps every paper component to its function):
        sampling); repeat until `--train-groups` of them are ready
   5-6. ulorl.update: old log-probs (POIS recomputes them), reference log-probs (KL), entropy and the DMMPT
        mask; the clipped token-level loss (loss.py) with one global token count per optimizer step
-  7.   sync the new weights to the engine
+  7.   sync the new weights to the engine (--overlap 1: the engine decoded the next step's first round during
+       5-6, on the weights before them; that round is collected first)
   8.   log one line + metrics.jsonl; evaluate; checkpoint
 """
 import dataclasses
@@ -43,7 +44,7 @@ import sandbox
 import ulorl
 from config import Config, engine_placement, parse_config, tensor_parallel_sizes
 from engine import Sampling, engine_kind, make_engine
-from segment_rollout import Pools, Sample, rollout_step
+from segment_rollout import Pools, Sample, begin_round, end_round, rollout_step
 from ulorl import RunState
 
 
@@ -113,6 +114,19 @@ def check_routing(cfg: Config, config) -> None:
     if engine_kind(cfg.engine, cfg.device) == "vllm" and cfg.device == "cpu":
         raise ValueError(f"--routing-replay {cfg.routing_replay} with --engine vllm: vLLM returns routed experts from "
                          f"its V2 model runner, which its CPU build lacks; on CPU use --engine hf")
+
+
+def check_overlap(cfg: Config) -> None:
+    """--overlap decodes while the trainers update: the engine needs a process of its own and must not share
+    the trainer's GPU (a colocated engine sleeps through the update)."""
+    if not cfg.overlap:
+        return
+    if engine_kind(cfg.engine, cfg.device) != "vllm":
+        raise ValueError(f"--overlap {cfg.overlap}: the transformers engine samples with the trainer's own module; "
+                         f"overlap needs an engine in a process of its own: --engine vllm")
+    if cfg.device.startswith("cuda") and not cfg.rollout_gpus:
+        raise ValueError(f"--overlap {cfg.overlap}: the engine shares the trainer's GPU and sleeps during the update; "
+                         f"give it GPUs of its own with --rollout-gpus")
 
 
 def place(cfg: Config, config, local_ranks: int) -> None:
@@ -186,29 +200,19 @@ class EngineFailure(RuntimeError):
 def rollout_until_ready(engine, pools: Pools, rows, state: RunState, tokenizer, sampling: Sampling, cfg: Config,
                         record: dict, judge: reward.Judge | None, too_long: set) -> list[Sample]:
     """Steps 1-4: rollout rounds until `--train-groups` informative complete groups are ready (at least one
-    round per step, so unfinished samples always advance). Returns every sample rewarded on the way; adds the
-    rollout's counts to `record`, the step's metrics.jsonl record.
+    round per step, so unfinished samples always advance; under --overlap the first is the round decoded
+    during the last update). Returns every sample rewarded on the way; adds the rollout's counts to `record`,
+    the step's metrics.jsonl record.
     `too_long`: rows known to exceed --max-prompt-len (data.draw_prompts skips them untokenized)."""
-    segment_len = cfg.max_response_len // cfg.segments
     scored = []
     while record["rollout/rounds"] == 0 or len(state.ready) < cfg.train_groups:
-        open_slots = cfg.prompts_per_step * cfg.group_size - len(pools.unfinished)  # rollout rows for new groups
-        n_new = 0 if len(state.ready) >= cfg.train_groups else max(open_slots // cfg.group_size, 0)
-        prompts, state.cursor, skipped = data.draw_prompts(rows, cfg.seed, state.cursor, n_new, tokenizer,
-                                                           cfg.max_prompt_len, cfg.data, too_long)
-        if skipped:
-            record["data/skipped_long_prompts"] = record.get("data/skipped_long_prompts", 0) + skipped
-        new = [pools.new_group(ids, row, cfg.group_size) for ids, row in prompts]
-        try:  # 1-2. decode one segment; sort into the unfinished and experience pools
-            r = rollout_step(engine, pools, new, segment_len, cfg.max_response_len, sampling, state.version)
-        except Exception as e:  # one retry; the new samples already wait in the unfinished pool
-            print(f"warning: the rollout engine failed ({type(e).__name__}: {e}); retrying once",
-                  file=sys.stderr, flush=True)
-            try:
-                r = rollout_step(engine, pools, [], segment_len, cfg.max_response_len, sampling, state.version)
-            except Exception as e2:
-                raise EngineFailure(f"the rollout engine failed twice: {type(e2).__name__}: {e2}; resume from the "
-                                    f"newest checkpoint in {cfg.out} with --resume auto") from e2
+        if state.prefetched:  # decoded by older weights while the trainer updated (--overlap)
+            r, state.prefetched = state.prefetched, {}
+        else:
+            r = run_round(engine, pools, draw_groups(pools, rows, state, tokenizer, cfg, too_long, record), state,
+                          sampling, cfg)
+        if cfg.overlap:  # how many versions behind the trainer's the weights that decoded this step's rounds were
+            record["staleness/engine_lag"] = max(record.get("staleness/engine_lag", 0), state.version - r["version"])
         record["rollout/rounds"] += 1
         record["tokens/generated"] += r["tokens/generated"]
         record["rollout/unfinished"] = r["rollout/unfinished"]
@@ -229,6 +233,71 @@ def rollout_until_ready(engine, pools: Pools, rows, state: RunState, tokenizer, 
                                f"rewards were all equal (mean reward {sum(s.reward for s in scored) / max(len(scored), 1):.3f}). "
                                f"The task is too easy or too hard for this model; try --dynamic-sampling false")
     return scored
+
+
+def draw_groups(pools: Pools, rows, state: RunState, tokenizer, cfg: Config, too_long: set, record: dict) -> list:
+    """New prompts x G for a round: as many as fit next to the unfinished samples (--prompts-per-step x G rows),
+    none once enough groups are ready."""
+    open_slots = cfg.prompts_per_step * cfg.group_size - len(pools.unfinished)  # rollout rows for new groups
+    n_new = 0 if len(state.ready) >= cfg.train_groups else max(open_slots // cfg.group_size, 0)
+    prompts, state.cursor, skipped = data.draw_prompts(rows, cfg.seed, state.cursor, n_new, tokenizer,
+                                                       cfg.max_prompt_len, cfg.data, too_long)
+    if skipped:
+        record["data/skipped_long_prompts"] = record.get("data/skipped_long_prompts", 0) + skipped
+    return [pools.new_group(ids, row, cfg.group_size) for ids, row in prompts]
+
+
+def run_round(engine, pools: Pools, new: list, state: RunState, sampling: Sampling, cfg: Config) -> dict:
+    """1-2. Decode one segment of every unfinished and new sample and sort them into the pools; one retry (the
+    new samples already wait in the unfinished pool). Returns its counts and the version that sampled it."""
+    segment_len = cfg.max_response_len // cfg.segments
+    try:
+        r = rollout_step(engine, pools, new, segment_len, cfg.max_response_len, sampling, state.version)
+    except Exception as e:
+        print(f"warning: the rollout engine failed ({type(e).__name__}: {e}); retrying once",
+              file=sys.stderr, flush=True)
+        try:
+            r = rollout_step(engine, pools, [], segment_len, cfg.max_response_len, sampling, state.version)
+        except Exception as e2:
+            raise EngineFailure(f"the rollout engine failed twice: {type(e2).__name__}: {e2}; resume from the "
+                                f"newest checkpoint in {cfg.out} with --resume auto") from e2
+    return {**r, "version": state.version}
+
+
+def prefetch(engine, pools: Pools, rows, state: RunState, tokenizer, sampling: Sampling, cfg: Config,
+             too_long: set, record: dict) -> tuple:
+    """--overlap: begin the next step's first round now, decoded by the current weights in a thread (the engine
+    works in a process of its own) while the trainers update; collect() takes it into the pools before the
+    weight sync, so new weights reach the engine between its calls, and the round is in the pools (and in any
+    checkpoint) before the step ends."""
+    import threading
+    batch, budgets = begin_round(pools, draw_groups(pools, rows, state, tokenizer, cfg, too_long, record),
+                                 cfg.max_response_len // cfg.segments, cfg.max_response_len)
+    out: dict = {}
+
+    def decode():
+        try:
+            out["gens"] = engine.generate([s.prompt_ids + s.tokens for s in batch], budgets, sampling,
+                                          keys=[s.uid for s in batch])
+        except Exception as e:  # raised again in run_round, on the main thread
+            out["error"] = e
+
+    thread = threading.Thread(target=decode, name="rollout", daemon=True)
+    thread.start()
+    return batch, budgets, state.version, thread, out
+
+
+def collect(started: tuple, pools: Pools, cfg: Config) -> dict:
+    """The prefetched round into the pools: its counts and the version that sampled it, for the next step's
+    rollout; {} when the engine failed (its samples wait in the unfinished pool: the next step decodes them)."""
+    batch, budgets, version, thread, out = started
+    thread.join()
+    if "error" in out:
+        e = out["error"]
+        print(f"warning: the rollout engine failed during the update ({type(e).__name__}: {e}); the next step "
+              f"decodes the round again", file=sys.stderr, flush=True)
+        return {}
+    return {**end_round(pools, batch, budgets, out["gens"], cfg.max_response_len, version), "version": version}
 
 
 # ------------------------------------------------------------------------- models, engine, evaluation
@@ -279,7 +348,7 @@ def rollout_engine(cfg: Config, lm, tokenizer, path: str, world: int, mem: float
                        dtype=cfg.dtype,
                        hf_overrides=model_lib.yarn_overrides(lm.config, cfg.rope_scaling_factor,
                                                              cfg.rope_original_max_positions),
-                       own_process=world > 1, gpus=gpus, tp=cfg.rollout_tp or 1,
+                       own_process=world > 1 or cfg.overlap > 0, gpus=gpus, tp=cfg.rollout_tp or 1,
                        routing=cfg.routing_replay != "false")
 
 
@@ -390,6 +459,7 @@ def main(cfg: Config, engine_hook=None) -> None:
     check_context(cfg, model_config)
     check_routing(cfg, model_config)
     place(cfg, model_config, local_ranks)
+    check_overlap(cfg)
     fit_parallelism(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_config)
     if cfg.plan:  # for the WORLD_SIZE trainer ranks torchrun would start (1 without it); nothing is started
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -470,6 +540,8 @@ def main(cfg: Config, engine_hook=None) -> None:
             if cfg.is_mode == "tois":  # every trained token from the weights being updated: no group waits a step
                 record["rollout/dropped_surplus_groups"], state.ready = len(state.ready), []
         t_roll = time.time() - t0
+        inflight = prefetch(engine, pools, rows, state, tokenizer, sampling, cfg, too_long, record) \
+            if lead and cfg.overlap else None  # the next step's first round, decoded during this update
         groups, stop_now = model_lib.broadcast((groups, stop[0] if stop else ""))
 
         # 5-6. old/reference log-probs, DMMPT mask, the update (each rank its share)
@@ -486,6 +558,10 @@ def main(cfg: Config, engine_hook=None) -> None:
             record["train/ref_reset"] = 1
 
         # 7. the new weights reach the engine; unfinished samples continue under them
+        if inflight is not None:  # between engine calls: the round decoded meanwhile goes to the pools first
+            t_wait = time.time()
+            state.prefetched = collect(inflight, pools, cfg)
+            record["time/engine_wait_s"] = time.time() - t_wait  # how long the trainer waited for the engine
         if lead:
             engine.resume()
         if record["train/optimizer_steps"] and not 0 < NO_SYNC_FROM <= step:

@@ -66,6 +66,8 @@ class RunState:
     best_eval: float | None = None  # the best held-out accuracy so far (--ref-reset-on-stall)
     evals_since_best: int = 0  # evaluations since it last improved, or since the last reset
     engine_kl: list = field(default_factory=list)  # the last steps' rollout/engine_kl (engine_gap_check)
+    prefetched: dict = field(default_factory=dict)  # --overlap: the next step's first round, decoded during the
+    # last update and sorted into the pools: its counts and the policy version that sampled it ({}: none)
 
 
 def dynamic_sampling(groups: list[list], enabled: bool) -> tuple[list[list], int]:

@@ -1,0 +1,67 @@
+"""--overlap 1: vLLM (in a process of its own, on CPU too) decodes the next step's first segment round with the
+current weights while the trainer updates. Every step after the first trains tokens one version old at most
+(staleness/engine_lag <= 1), the engine/trainer gap on the current weights' tokens stays at fp32 noise (the
+round is collected before the weight sync), and a run killed between steps resumes bit for bit (the round
+decoded during the last update is in the checkpoint's pools). --overlap 0 is the synchronous loop, pinned by
+tests/test_golden.py.
+
+    python -m pytest tests/test_overlap.py -q      # ~2 minutes on 2 cores (three vLLM engine processes)
+"""
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run
+import config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                                   reason="vLLM is not installed")]
+ARGS = ["--engine", "vllm", "--overlap", "1", "--eval-data", "", "--train-groups", "4", "--prompts-per-step", "8",
+        "--max-response-len", "32", "--segments", "2", "--dump-samples", "0", "--save-every", "1", "--keep-last", "0",
+        "--lr-final", "1"]  # a constant learning rate: a run resumed to 3 steps is compared with a 3-step one
+TIMING = ("time/", "memory/", "tokens/per_s", "config")
+
+
+def train(out, *extra):
+    proc = run([sys.executable, "train.py", *ARGS, "--out", str(out), *extra], cwd=ROOT, timeout=600,
+               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_overlapped_rounds_are_one_version_old_and_resume_exactly(tmp_path):
+    straight = train(tmp_path / "straight", "--steps", "3")
+    assert [r["staleness/engine_lag"] for r in straight] == [0, 1, 1]
+    assert all(r["staleness/token_max"] <= r["staleness/engine_lag"] + 1 for r in straight)  # + older segments
+    assert all(r["rollout/engine_kl"] is None or r["rollout/engine_kl"] < 1e-9 for r in straight)
+    saved = tmp_path / "straight" / "step_000002"
+    state = json.loads((saved / "ulorl_state.json").read_text())
+    assert state["prefetched"]["version"] == 1  # the round decoded during step 2's update, by step 1's weights
+    resumed = train(tmp_path / "resumed", "--steps", "3", "--resume", str(saved))
+    clean = lambda recs: [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in recs]
+    assert clean(resumed) == clean(straight[2:])
+    a, b = (load_file(tmp_path / run / "step_000003" / "model.safetensors") for run in ("straight", "resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_overlap_needs_an_engine_of_its_own(capsys):
+    with pytest.raises(SystemExit):
+        config.parse_config(["--overlap", "1", "--is-mode", "tois", "--segments", "1"])
+    assert "--overlap 1 trains tokens of the previous weights; --is-mode tois" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        config.parse_config(["--overlap", "2"])
+    assert "--overlap 2: must be 0 (off) or 1" in capsys.readouterr().err
+    import train as train_lib
+    with pytest.raises(ValueError, match="overlap needs an engine in a process of its own: --engine vllm"):
+        train_lib.check_overlap(config.parse_config(["--overlap", "1", "--engine", "hf"]))
+    gpu = config.parse_config(["--overlap", "1", "--engine", "vllm"])
+    gpu.device = "cuda"
+    with pytest.raises(ValueError, match="give it GPUs of its own with --rollout-gpus"):
+        train_lib.check_overlap(gpu)
