@@ -80,6 +80,23 @@ def test_sp():
     assert all(row["sp1_s"] > 0 and row["sp2_s"] > 0 for row in r["rows"]), r
 
 
+def test_routing():
+    """Replay takes every decision from the engine, also where the trainer's own router picks others (the deeper
+    model in bf16 has such decisions at this size, so the check is not empty); fp32, the control, routes as the
+    engine did and its gap is rounding; the figures are fractions, in range."""
+    r = last_json(run_bench("routing", "--configs", "16x4:2x64,64x8:8x64", "--prompts", "4", "--tokens", "24"))
+    assert r["bench"] == "routing" and [(x["experts"], x["dtype"]) for x in r["rows"]] == \
+        [(16, "float32"), (16, "bfloat16"), (64, "float32"), (64, "bfloat16")]
+    for x in r["rows"]:
+        assert x["replay_differ"] == 0 and x["response_tokens"] == 4 * 24, x
+        assert x["decisions"] == x["positions"] * x["layers"] and len(x["mismatch_by_layer"]) == x["layers"], x
+        assert 0 <= x["mismatch"] <= x["positions_mismatch"] <= 1 and 0 <= x["metric_mismatch"] <= 1, x
+        assert 0 <= x["engine_kl"] and x["gap_mean"] <= x["gap_max"] < 0.1 and x["replay_gap_max"] < 0.1, x
+        if x["dtype"] == "float32":
+            assert x["mismatch"] == 0 and x["metric_mismatch"] == 0 and x["gap_max"] < 1e-4, x
+    assert r["rows"][3]["mismatch"] > 0, r["rows"][3]
+
+
 def test_trl(tmp_path):
     if importlib.util.find_spec("trl") is None:  # an optional dependency: the mode says how to get it
         p = run_bench("trl", "--dir", str(tmp_path), timeout=60)
