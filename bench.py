@@ -9,6 +9,7 @@
     python bench.py sp                          # --sp 2 vs --sp 1 on 2 ranks: step time and memory at 2k-8k tokens
     python bench.py routing                     # MoE experts and log-prob gap, engine vs trainer, replay off/on
     python bench.py overlap                     # --overlap 1 vs 0: trainer and vLLM in two processes, a core each
+    python bench.py gpu                         # the GPU cost model's UloRL Table 1 over its unknowns (arithmetic)
 
 Every mode prints a table and, last, one JSON line with its figures. Unknown flags of `segments`, `trl` and
 `overlap` go to train.py (e.g. `--prompts-per-step 8`), so a benchmark runs exactly what `python train.py` runs.
@@ -37,6 +38,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import heapq
 import importlib.util
 import json
 import math
@@ -169,30 +171,61 @@ def rotate(xs: list, r: int) -> list:
 
 # ------------------------------------------------------------------ segments on a GPU: a cost model
 
+# The decode-step floor is calibrated from the one published batch-1 figure for this model we found: Qwen's
+# speed benchmark (qwen.readthedocs.io, "Speed Benchmark", Qwen3 series; SGLang 0.4.6.post1, one H20 96GB
+# with 4.0 TB/s, batch 1, BF16) gives Qwen3-30B-A3B 137.18 tokens/s for a 1-token prompt and 2,048
+# generated tokens: 7.29 ms a decode step, whose own bytes (GPUCost: 6.08 GB of weights and experts, ~0.1 GB
+# of KV cache at 1,024 tokens on average) take 1.55 ms at the H20's bandwidth. The other 5.7 ms a step go to
+# what bytes at peak bandwidth do not count (kernel launches and tails, small kernels short of peak, MoE
+# routing, sampling, the scheduler): the floor. It is SGLang on an H20, not vLLM on an H200, and one figure,
+# so gpu_table scans 0-12 ms around it.
+QWEN_BATCH1 = {"seconds_per_step": 2049 / 137.18 / 2048, "bytes_per_s": 4.0e12, "kv_tokens": 1024}
+
+
+def floor_from_batch1(cost, seconds_per_step: float, bytes_per_s: float, kv_tokens: float) -> float:
+    """A measured batch-1 decode step minus the model's own bytes of that step at the measuring GPU's
+    bandwidth: the per-step cost that bytes do not explain."""
+    return seconds_per_step - (cost.weight_read_bytes(1) + kv_tokens * cost.kv_bytes_per_token) / bytes_per_s
+
+
 @dataclasses.dataclass
 class GPUCost:
-    """The time of one rollout call (one engine.generate) on a GPU: a MODEL, not a measurement.
-    Decoding is memory-bound: a decode step reads, from HBM, the weights every token uses (attention, norms,
-    router, lm_head), the experts its rows route to (a layer's E experts, k per token: E (1 - (1 - k/E)^n)
-    of them for n rows) and every active row's KV cache; its time is those bytes / HBM bandwidth, or the
-    FLOPs 2 x active parameters x n over peak, when larger. Prefill (the whole context again for a continued
-    sample: the engine receives prompt + response so far) is compute-bound: 2 x active parameters x tokens
-    over peak x `prefill_mfu`. Inside a call the engine batches continuously: rows queue in order and start
-    when their whole context fits the KV budget (memory left after the weights), so a long sample never
-    stops the others from starting, while rows finishing early leave the batch (and the weights' cost) to the
-    rest. Defaults: Qwen3-30B-A3B (48 layers, hidden 2048, 32/4 heads of 128, 128 experts of 768, top-8,
-    vocabulary 151,936) in bf16 on one H200 (141 GB, 4.8 TB/s, 989 TFLOPS dense bf16)."""
-    name: str = "Qwen3-30B-A3B, bf16, one H200"
+    """The time of one rollout call (one engine.generate) and one update on GPUs: a MODEL, not a measurement.
+    Decoding: a decode step reads, from HBM, the weights every token uses (attention, norms, router, lm_head),
+    the experts its rows route to (a layer's E experts, k per token: E (1 - (1 - k/E)^n) of them for n rows)
+    and every active row's KV cache; its time is `step_floor` (the engine's fixed cost of a step, see
+    QWEN_BATCH1) plus those bytes / HBM bandwidth, or plus the FLOPs 2 x active parameters x n over peak when
+    larger. The floor is added, not maxed: it is what a batch-1 step costs beyond its bytes, and kernels that
+    run one after another pay their fixed costs whatever the batch. Prefill (the whole context again for a
+    continued sample: the engine receives prompt + response so far) is compute-bound: 2 x active parameters
+    x tokens plus causal attention's 2 x layers x (heads x head dim) x tokens^2, over peak x `prefill_mfu`.
+    Inside an engine the batch is continuous: rows queue in order and start when their whole context fits the
+    KV budget (memory left after the weights), so a long sample never stops the others from starting, while
+    rows finishing early leave the batch (and the weights' cost) to the rest. A call's rows are dealt
+    round-robin by count to `replicas` engines, one GPU each with its own KV budget (whoever deals them does
+    not know the lengths in advance, so not balanced by tokens); the call takes as long as its slowest engine.
+    The update: the trained samples' forward FLOPs (2 x active parameters x tokens + the attention term) x 3
+    for forward and backward, + 1 forward for pi_old (ulorl.prepare's pass), + 1 for the reference when `kl`,
+    over `train_gpus` GPUs at `train_mfu` of peak. Defaults: Qwen3-30B-A3B (48 layers, hidden 2048, 32/4 heads
+    of 128, 128 experts of 768, top-8, vocabulary 151,936) in bf16 on H200s (141 GB, 4.8 TB/s, 989 TFLOPS
+    dense bf16)."""
+    name: str = "Qwen3-30B-A3B, bf16, H200"
     layers: int = 48
     shared_bytes: float = 2 * (48 * (2048 * 5120 + 4096 * 2048 + 2048 * 128 + 4 * 2048) + 151936 * 2048)
     expert_bytes: float = 2 * 3 * 2048 * 768  # one expert of one layer
     experts: int = 128
     top_k: int = 8
     kv_bytes_per_token: float = 2 * 48 * 4 * 128 * 2  # keys and values, 48 layers, 4 KV heads of 128, bf16
+    attention_width: int = 32 * 128  # query heads x head dim
     memory: float = 141e9
     hbm_bytes_per_s: float = 4.8e12
     flops: float = 989e12
     prefill_mfu: float = 0.5
+    step_floor: float = 5.75e-3  # seconds a decode step costs beyond its bytes: floor_from_batch1(QWEN_BATCH1)
+    replicas: int = 1  # rollout engines, one GPU each
+    train_gpus: int = 1
+    train_mfu: float = 0.35
+    kl: bool = False  # a reference policy's forward too (UloRL: no KL)
 
     @property
     def weight_bytes(self) -> float:
@@ -202,38 +235,60 @@ class GPUCost:
     def active_params(self) -> float:
         return (self.shared_bytes + self.layers * self.top_k * self.expert_bytes) / 2
 
+    def weight_read_bytes(self, n: int) -> float:
+        """Weight bytes one decode step of n rows reads: the shared weights and the experts they route to."""
+        touched = self.experts * (1 - (1 - self.top_k / self.experts) ** n)
+        return self.shared_bytes + self.layers * touched * self.expert_bytes
+
     def step_seconds(self, n: int, kv_tokens: float) -> float:
         """One decode step of n rows holding kv_tokens tokens of KV cache in all."""
-        touched = self.experts * (1 - (1 - self.top_k / self.experts) ** n)
-        read = self.shared_bytes + self.layers * touched * self.expert_bytes + kv_tokens * self.kv_bytes_per_token
-        return max(read / self.hbm_bytes_per_s, 2 * self.active_params * n / self.flops)
+        read = self.weight_read_bytes(n) + kv_tokens * self.kv_bytes_per_token
+        return self.step_floor + max(read / self.hbm_bytes_per_s, 2 * self.active_params * n / self.flops)
+
+    def forward_flops(self, tokens: float) -> float:
+        """One forward pass over a sequence of `tokens`: the weights, and causal attention (quadratic)."""
+        return 2 * self.active_params * tokens + 2 * self.layers * self.attention_width * tokens ** 2
+
+    def engine_seconds(self, contexts: list[float], generated: list[float]) -> float:
+        """One engine's share of a call: prefill of every row's context, then continuous-batched decoding
+        (see the class). The rows advance together, so a heap of finishing clocks gives the next event."""
+        budget = (0.9 * self.memory - self.weight_bytes) / self.kv_bytes_per_token  # KV tokens it can hold
+        t = sum(self.forward_flops(c) for c in contexts) / (self.flops * self.prefill_mfu)
+        queue = list(range(len(contexts)))[::-1]  # pop() takes rows in order
+        ends: list[tuple[float, int]] = []  # (clock at which the row finishes, row) of the active rows
+        clock = reserved = kv = 0.0  # decode steps so far; KV tokens reserved; KV tokens held now
+        while queue or ends:
+            while queue and (not ends or reserved + contexts[queue[-1]] + generated[queue[-1]] <= budget):
+                i = queue.pop()
+                heapq.heappush(ends, (clock + generated[i], i))
+                reserved += contexts[i] + generated[i]
+                kv += contexts[i]
+            d, n = ends[0][0] - clock, len(ends)  # steps until the next row finishes; rows busy meanwhile
+            if d > 0:  # n rows decode d tokens; their KV grows by n a step: sum over steps in closed form
+                read = self.weight_read_bytes(n) * d + (d * kv + n * d * (d - 1) / 2) * self.kv_bytes_per_token
+                t += d * self.step_floor + max(read / self.hbm_bytes_per_s, 2 * self.active_params * n * d / self.flops)
+                clock, kv = clock + d, kv + n * d
+            while ends and ends[0][0] <= clock:
+                _, i = heapq.heappop(ends)
+                reserved -= contexts[i] + generated[i]
+                kv -= contexts[i] + generated[i]
+        return t
 
     def call_seconds(self, contexts: list[float], generated: list[float]) -> float:
-        """A call's time: prefill of every row's context, then continuous-batched decoding (see the class)."""
-        budget = 0.9 * self.memory - self.weight_bytes  # KV cache tokens the engine can hold
-        budget /= self.kv_bytes_per_token
-        t = 2 * self.active_params * sum(contexts) / (self.flops * self.prefill_mfu)
-        queue = sorted(range(len(contexts)), reverse=True)  # pop() takes rows in order
-        active: dict[int, float] = {}  # row -> tokens generated so far
-        reserved = 0.0
-        while queue or active:
-            while queue and (not active or reserved + contexts[queue[-1]] + generated[queue[-1]] <= budget):
-                i = queue.pop()
-                active[i] = 0.0
-                reserved += contexts[i] + generated[i]
-            d = min(generated[i] - g for i, g in active.items())  # tokens until the next row finishes
-            n = len(active)
-            if d > 0:  # n rows decode d tokens; their KV grows by n a step: sum over steps in closed form
-                kv0 = sum(contexts[i] + g for i, g in active.items())
-                touched = self.step_seconds(n, 0) * d  # weights and experts, d steps
-                kv = (d * kv0 + n * d * (d - 1) / 2) * self.kv_bytes_per_token / self.hbm_bytes_per_s
-                t += max(touched + kv, 2 * self.active_params * n * d / self.flops)
-            for i in list(active):
-                active[i] += d
-                if active[i] >= generated[i]:
-                    del active[i]
-                    reserved -= contexts[i] + generated[i]
-        return t
+        """A call's time: its rows dealt round-robin to the replicas, the slowest one's time."""
+        r = self.replicas
+        return max(self.engine_seconds(contexts[i::r], generated[i::r]) for i in range(r))
+
+    def update_seconds(self, lengths: list[float]) -> float:
+        """One update over trained samples of `lengths` tokens (prompt + response): see the class."""
+        passes = 3 + 1 + int(self.kl)
+        return passes * sum(self.forward_flops(n) for n in lengths) / (self.train_gpus * self.flops * self.train_mfu)
+
+
+def rl_step_seconds(rollout: float, update: float, overlap: bool) -> float:
+    """An RL step: rollout then update, or both at once when they overlap (one step off-policy, the update
+    on its own GPUs), when the slower of the two sets the pace."""
+    return max(rollout, update) if overlap else rollout + update
 
 
 class LengthEngine:
@@ -256,12 +311,13 @@ class LengthEngine:
 
 
 def simulate_segments(segments: int, length, cap: int, prompts: int, group: int, train_groups: int,
-                      steps: int, warmup: int) -> tuple[list, int]:
+                      steps: int, warmup: int) -> list[tuple[list, list]]:
     """train.py's rollout loop (rounds until --train-groups complete groups are ready, the batch topped up
-    with new prompts to prompts x group rows) with LengthEngine: (the calls of the steps after `warmup`, the
-    samples those steps train). Lengths in units: `cap` units per response, prompts of 4."""
+    with new prompts to prompts x group rows) with LengthEngine: for each step after `warmup`, (its engine
+    calls, the lengths of the samples it trains, prompt + response). Lengths in units: `cap` units per
+    response, prompts of 4."""
     from segment_rollout import Pools, rollout_step
-    pools, ready, calls, trained = Pools(), [], [], 0
+    pools, ready, out = Pools(), [], []
     eng = LengthEngine(length, [])
     for step in range(warmup + steps):
         rounds = 0
@@ -271,12 +327,11 @@ def simulate_segments(segments: int, length, cap: int, prompts: int, group: int,
             rollout_step(eng, pools, new, cap // segments, cap, None, 0)
             ready += [pools.pop_group(g[0].group) for g in pools.ready_groups(group)]
             rounds += 1
-        ready = ready[train_groups:]
+        trained, ready = ready[:train_groups], ready[train_groups:]
         if step >= warmup:
-            calls += eng.calls
-            trained += train_groups * group
+            out.append((eng.calls, [len(s.prompt_ids) + len(s.tokens) for g in trained for s in g]))
         eng.calls = []
-    return calls, trained
+    return out
 
 
 def long_tail(seed: int, cap: int, median: float, sigma: float):
@@ -288,12 +343,97 @@ def long_tail(seed: int, cap: int, median: float, sigma: float):
 
 
 def predicted_speedups(cost: GPUCost, runs: dict, unit: float) -> dict:
-    """{segments: predicted trained samples per GPU-second, relative to the first} for `runs` = {segments:
-    (calls, trained samples)}, every length multiplied by `unit` tokens."""
+    """{segments: predicted trained samples per rollout second, relative to the first} for `runs` = {segments:
+    (calls, trained samples)}, every length multiplied by `unit` tokens. The rollout only: no update."""
     rate = {s: trained / sum(cost.call_seconds([c * unit for c in ctx], [g * unit for g in gen]) for ctx, gen in calls)
             for s, (calls, trained) in runs.items()}
     first = next(iter(rate.values()))
     return {s: r / first for s, r in rate.items()}
+
+
+def rollout_seconds(cost: GPUCost, steps: list, unit: float) -> list[float]:
+    """Each step's rollout seconds (its engine calls) for `steps` from simulate_segments, lengths x `unit`."""
+    return [sum(cost.call_seconds([c * unit for c in ctx], [g * unit for g in gen]) for ctx, gen in calls)
+            for calls, _ in steps]
+
+
+# The unknowns gpu_table scans: the floor (seconds), rollout GPUs, the trainer's MFU, overlap; and the tails
+# (medians in units of 256 tokens: 10k and 16k tokens).
+FLOORS = (0.0, 0.003, 5.75e-3, 0.012)
+REPLICAS = (1, 2, 4, 8, 16, 32, 64, 128)
+MFUS = (0.2, 0.4)
+TAILS = ((40, 0.9), (64, 0.8))
+
+
+def gpu_table(segments: list[int], seed: int, steps: int = 6) -> list[dict]:
+    """UloRL Table 1 as the cost model predicts it: 128 prompts x 8 a round, 128 groups trained per step,
+    lognormal lengths to a 64k cap, for every combination of the unknowns above. The trainer has as many GPUs
+    as the rollout (the same GPUs, time-shared, when not overlapped; a second pool of the same size when
+    overlapped). Rows: {tail, floor_ms, replicas, mfu, overlap, and over `segments`: step_s, rollout_s,
+    update_s (means over the steps), speedup}."""
+    rows = []
+    for median, sigma in TAILS:
+        length = long_tail(seed, 256, median, sigma)
+        at_cap = sum(length(u) == 256 for u in range(10_000)) / 10_000
+        tail = f"median {median * 256} tokens, sigma {sigma}, {at_cap:.1%} at the cap"
+        runs = [simulate_segments(s, length, 256, 128, 8, 128, steps, s + 2) for s in segments]
+        for floor in FLOORS:
+            for r in REPLICAS:
+                roll = [rollout_seconds(GPUCost(step_floor=floor, replicas=r), run, 256) for run in runs]
+                for mfu in MFUS:
+                    train = GPUCost(train_gpus=r, train_mfu=mfu)
+                    upd = [[train.update_seconds([n * 256 for n in lengths]) for _, lengths in run] for run in runs]
+                    for overlap in (False, True):
+                        step = [mean([rl_step_seconds(a, b, overlap) for a, b in zip(ro, up)])
+                                for ro, up in zip(roll, upd)]
+                        rows.append({"tail": tail, "floor_ms": round(floor * 1e3, 2), "replicas": r, "mfu": mfu,
+                                     "overlap": overlap, "step_s": step, "rollout_s": [mean(x) for x in roll],
+                                     "update_s": [mean(x) for x in upd], "speedup": [step[0] / x for x in step]})
+    return rows
+
+
+def matches_paper(row: dict, segments: list[int]) -> bool:
+    """Within 10% of UloRL's Table 1: 1240 s a step with 1 segment and 1.6x / 2.06x with 2 / 4 segments."""
+    ok = 1 in segments and abs(row["step_s"][segments.index(1)] / 1240 - 1) <= 0.1
+    return ok and all(abs(x / PAPER[s] - 1) <= 0.1 for s, x in zip(segments, row["speedup"]) if s in PAPER)
+
+
+def table_summary(rows: list[dict], segments: list[int]) -> dict:
+    """gpu_table's rows in brief: the speedups' and the first variant's step time's ranges, overall and per
+    replica count, and the settings within 10% of the paper."""
+    def ranges(rs):
+        return {"step_s_first": [min(x["step_s"][0] for x in rs), max(x["step_s"][0] for x in rs)],
+                **{f"speedup_{s}": [min(x["speedup"][i] for x in rs), max(x["speedup"][i] for x in rs)]
+                   for i, s in enumerate(segments) if i}}
+    near = [{k: x[k] for k in ("tail", "floor_ms", "replicas", "mfu", "overlap", "step_s", "speedup")}
+            for x in rows if matches_paper(x, segments)]
+    return {**ranges(rows), "by_replicas": {r: ranges([x for x in rows if x["replicas"] == r]) for r in REPLICAS},
+            "near_paper": near}
+
+
+def print_gpu_table(rows: list[dict], segments: list[int], every_row: bool = True) -> dict:
+    """The table (every row, or only those near the paper) and its summary; returns table_summary."""
+    print(f"\nGPU cost model (GPUCost: {GPUCost.name}; a model, not a measurement), UloRL's setting: 128 prompts x 8, "
+          f"64k cap; s / RL step (rollout + update) and speedup over {segments[0]} segment(s); GPUs = rollout "
+          f"engines, one H200 each, and as many trainer GPUs:")
+    print(f"{'tail':>47} | {'floor ms':>8} | {'GPUs':>4} | {'MFU':>4} | {'overlap':>7} | "
+          + " | ".join(f"{s:>2} seg: s (roll+upd)" for s in segments) + " | speedups")
+    for x in rows:
+        if every_row or matches_paper(x, segments):
+            cells = " | ".join(f"{t:6.0f} ({r:5.0f}+{u:4.0f})"
+                               for t, r, u in zip(x["step_s"], x["rollout_s"], x["update_s"]))
+            mark = "  <- paper" if matches_paper(x, segments) else ""
+            print(f"{x['tail']:>47} | {x['floor_ms']:8.2f} | {x['replicas']:4d} | {x['mfu']:4.1f} | "
+                  f"{str(x['overlap']):>7} | {cells} | " + " ".join(f"{v:.2f}x" for v in x["speedup"]) + mark)
+    summary = table_summary(rows, segments)
+    for r, v in summary["by_replicas"].items():
+        print(f"  {r:3d} GPUs: {segments[0]} segment(s) {v['step_s_first'][0]:.0f}-{v['step_s_first'][1]:.0f} s a step; "
+              + ", ".join(f"{s} segments {v[f'speedup_{s}'][0]:.2f}-{v[f'speedup_{s}'][1]:.2f}x" for s in segments[1:]))
+    print("  over every setting: " + ", ".join(f"{s} segments {summary[f'speedup_{s}'][0]:.2f}-"
+                                                 f"{summary[f'speedup_{s}'][1]:.2f}x" for s in segments[1:])
+          + f"; UloRL Table 1 (measured): 1240 / 774 / 601 s, {PAPER[2]:.2f}x / {PAPER[4]:.2f}x; "
+            f"{len(summary['near_paper'])} of {len(rows)} settings within 10% of its figures ('<- paper')")
+    return summary
 
 
 # ------------------------------------------------------------------------------------------ segments
@@ -397,30 +537,29 @@ def bench_segments(args, train_flags: list[str]) -> dict:
 
 
 def gpu_predictions(calls: dict, recs: dict, cap: int, seed: int) -> dict:
-    """The cost model's predicted speedups (GPUCost, a model and not a measurement): (a) the runs' own engine
-    calls replayed with every length scaled so that their cap becomes 64k tokens, (b) the real scheduler
-    over 1024-row batches (128 prompts x 8, 128 groups trained per step, UloRL's setting) of responses with
-    a long tail to a 64k cap. Both against the paper's 1.6x (2 segments) and 2.06x (4)."""
+    """The cost model's predictions (GPUCost, a model and not a measurement): (a) the runs' own engine calls
+    replayed with every length scaled so that their cap becomes 64k tokens, rollout only, on one H200 with the
+    calibrated floor; (b) gpu_table: UloRL's setting over the unknowns, against its Table 1."""
     cost = GPUCost()
     plain = [s for s in calls if s.isdigit()]
     replay = predicted_speedups(cost, {int(s): (calls[s], sum(x["train/samples"] for x in recs[s])) for s in plain},
                                 65536 / cap)
-    tails = {}
-    for median, sigma in ((40, 0.9), (64, 0.8)):  # in units of 256 tokens: medians 10k and 16k tokens
-        length = long_tail(seed, 256, median, sigma)
-        runs = {int(s): simulate_segments(int(s), length, 256, 128, 8, 128, 6, int(s) + 2) for s in plain}
-        at_cap = sum(length(u) == 256 for u in range(10_000)) / 10_000
-        tails[f"median {median * 256} tokens, sigma {sigma}, {at_cap:.1%} at the cap"] = \
-            [round(v, 3) for v in predicted_speedups(cost, runs, 256).values()]
-    print(f"\nGPU cost model ({cost.name}; a model, not a measurement: bench.GPUCost), predicted trained samples "
-          f"per GPU-second relative to {plain[0]} segment(s), for segments {', '.join(plain)}:")
-    print(f"  this run's engine calls, lengths x {65536 / cap:.0f} (cap -> 64k tokens): "
-          + ", ".join(f"{v:.2f}x" for v in replay.values()))
-    for name, v in tails.items():
-        print(f"  1024 rows a round, lognormal lengths ({name}): " + ", ".join(f"{x:.2f}x" for x in v))
-    print(f"  UloRL Table 1 (measured on GPUs): 2 segments {PAPER[2]:.2f}x, 4 segments {PAPER[4]:.2f}x")
-    return {"model": cost.name, "segments": [int(s) for s in plain],
-            "replay_of_this_run": [round(v, 3) for v in replay.values()], "long_tail_1024_rows": tails}
+    print(f"\nGPU cost model ({cost.name}; a model, not a measurement: bench.GPUCost), this run's engine calls, "
+          f"lengths x {65536 / cap:.0f} (cap -> 64k tokens), rollout on one GPU, trained samples per second relative "
+          f"to {plain[0]} segment(s): " + ", ".join(f"{v:.2f}x" for v in replay.values()))
+    segments = [int(s) for s in plain]
+    summary = print_gpu_table(gpu_table(segments, seed), segments, every_row=False)
+    print("  (every setting: python bench.py gpu)")
+    return {"model": cost.name, "segments": segments, "replay_of_this_run": [round(v, 3) for v in replay.values()],
+            "table1": summary}
+
+
+def bench_gpu(args, _unused: list[str]) -> dict:
+    segments = [int(s) for s in args.segments.split(",")]
+    rows = gpu_table(segments, args.seed, args.steps)
+    summary = print_gpu_table(rows, segments)
+    return {"bench": "gpu", "model": GPUCost.name, "segments": segments, "paper_step_s": [1240, 774, 601],
+            "floors_ms": [f * 1e3 for f in FLOORS], "replicas": list(REPLICAS), "mfu": list(MFUS), **summary}
 
 
 # ----------------------------------------------------------------------------------------------- trl
@@ -958,6 +1097,10 @@ def main(argv=None) -> None:
     o.add_argument("--chunk", type=int, default=6, help="steps per variant per round (the first is dropped)")
     o.add_argument("--seed", type=int, default=0, help="seed of every run")
     o.add_argument("--dir", default="", help="working directory for the runs (default: a fresh temporary one)")
+    g = sub.add_parser("gpu", help="the GPU cost model's UloRL Table 1 over its unknowns (arithmetic, seconds)")
+    g.add_argument("--segments", default="1,2,4", help="comma-separated segment counts; the first is the baseline")
+    g.add_argument("--seed", type=int, default=0, help="seed of the drawn response lengths")
+    g.add_argument("--steps", type=int, default=6, help="measured RL steps per variant (after S + 2 warm-up steps)")
     r = sub.add_parser("routing", help="MoE routing, engine vs trainer: differing experts and the log-prob gap, "
                                        "replay off and on, fp32 and bf16")
     r.add_argument("--configs", default=ROUTING_CONFIGS,
@@ -975,10 +1118,10 @@ def main(argv=None) -> None:
     if args.mode == "memory" and args.point:
         print(json.dumps(memory_point(args.point, int(args.sizes), args.vocab, args.hidden, args.limit_mb)))
         return
-    if rest and args.mode in ("memory", "sp", "routing"):
+    if rest and args.mode in ("memory", "sp", "routing", "gpu"):
         p.error(f"unknown arguments: {' '.join(rest)}")
     result = {"segments": bench_segments, "trl": bench_trl, "memory": bench_memory, "sp": bench_sp,
-              "routing": bench_routing, "overlap": bench_overlap}[args.mode](args, rest)
+              "routing": bench_routing, "overlap": bench_overlap, "gpu": bench_gpu}[args.mode](args, rest)
     print(json.dumps(clean(result)), flush=True)
 
 

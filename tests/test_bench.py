@@ -3,9 +3,11 @@ checked here (benchmarks measure, tests don't); the figures are in the README.
 
     python -m pytest tests/test_bench.py -q
 """
+import dataclasses
 import importlib.util
 import json
 import os
+import random
 import sys
 
 from conftest import run
@@ -35,7 +37,8 @@ def test_segments(tmp_path):
     assert r["speedup"][0] == 1.0 and r["speedup"][1] > 0
     assert r["prefill_tokens_bucketed"][1] <= r["prefill_tokens"][1]
     gpu = r["gpu_model"]
-    assert gpu["segments"] == [1, 2] and gpu["replay_of_this_run"][0] == 1.0 and len(gpu["long_tail_1024_rows"]) == 2
+    assert gpu["segments"] == [1, 2] and gpu["replay_of_this_run"][0] == 1.0 and set(gpu["table1"]["by_replicas"]) == \
+        {"1", "2", "4", "8", "16", "32", "64", "128"}
     assert all(0 < u <= 1 for u in r["utilisation"]), r
     assert all(0 <= x <= 1 for x in r["reward"]), r
     assert "speedup" in p.stdout and "paper" in p.stdout  # the table
@@ -46,11 +49,11 @@ def test_gpu_cost_model_by_hand():
     (context so far) read once a step; a row that finishes leaves the batch."""
     import bench
     c = bench.GPUCost(layers=1, shared_bytes=100, expert_bytes=0, experts=1, top_k=1, kv_bytes_per_token=1,
-                      memory=1e9, hbm_bytes_per_s=1, flops=1e30, prefill_mfu=1)
+                      memory=1e9, hbm_bytes_per_s=1, flops=1e30, prefill_mfu=1, step_floor=0)
     assert abs(c.call_seconds([2], [3]) - (3 * 100 + (2 + 3 + 4))) < 1e-6
     assert abs(c.call_seconds([0, 0], [1, 3]) - (100 + 0 + 2 * 100 + (1 + 2))) < 1e-6
     small = bench.GPUCost(layers=1, shared_bytes=0, expert_bytes=0, experts=1, top_k=1, kv_bytes_per_token=1,
-                          memory=10 / 0.9, hbm_bytes_per_s=1, flops=1e30)  # room for 10 tokens of KV cache
+                          memory=10 / 0.9, hbm_bytes_per_s=1, flops=1e30, step_floor=0)  # room for 10 tokens of KV
     # rows of 6 tokens each (context 1 + 5 generated): one at a time, so the second starts when the first ends
     assert abs(small.call_seconds([1, 1], [5, 5]) - 2 * (1 + 2 + 3 + 4 + 5)) < 1e-6
     assert abs(c.call_seconds([0, 0], [1, 3]) - c.call_seconds([0, 0], [3, 1])) < 1e-6
@@ -61,10 +64,75 @@ def test_simulated_rollout_trains_every_sample_once():
     rounds, every step trains --train-groups whole groups, and nothing is lost or duplicated."""
     import bench
     for segments in (1, 4):
-        calls, trained = bench.simulate_segments(segments, bench.long_tail(0, 64, 20, 0.8), 64, 4, 2, 4, 5, 2)
-        assert trained == 5 * 4 * 2
-        assert all(max(gen) <= 64 // segments for _, gen in calls)
-        assert all(len(ctx) <= 4 * 2 for ctx, _ in calls)
+        steps = bench.simulate_segments(segments, bench.long_tail(0, 64, 20, 0.8), 64, 4, 2, 4, 5, 2)
+        assert len(steps) == 5 and all(len(lengths) == 4 * 2 for _, lengths in steps)
+        assert all(4 < n <= 4 + 64 for _, lengths in steps for n in lengths)  # prompt of 4 + response
+        assert all(max(gen) <= 64 // segments for calls, _ in steps for _, gen in calls)
+        assert all(len(ctx) <= 4 * 2 for calls, _ in steps for ctx, _ in calls)
+
+
+def test_gpu_cost_model_floor_replicas_update():
+    """The revised model: a decode step pays the calibrated floor whatever its rows (the floor dominates a
+    1-row step, not a full one); R replicas split a call by count and it lasts as long as the slowest; the
+    update's FLOPs by hand; an overlapped step is the slower of rollout and update, else their sum."""
+    import bench
+    c = bench.GPUCost()
+    floor = bench.floor_from_batch1(c, **bench.QWEN_BATCH1)  # Qwen's batch-1 figure minus the model's own bytes
+    assert 0.005 < floor < 0.0065 and abs(c.step_floor / floor - 1) < 0.01
+    assert c.step_floor / c.step_seconds(1, 1000) > 0.75  # ~6.1 GB read in 1.3 ms, then the floor
+    assert c.step_floor / c.step_seconds(1024, 500_000) < 0.25  # 60 GB of weights + 49 GB of KV cache
+    # by hand: 3 decode steps of 10 (floor) + 100 (weights) + the KV cache read (2 + 3 + 4), no prefill cost
+    hand = bench.GPUCost(layers=1, shared_bytes=100, expert_bytes=0, experts=1, top_k=1, kv_bytes_per_token=1,
+                         attention_width=0, memory=1e9, hbm_bytes_per_s=1, flops=1e30, step_floor=10)
+    assert abs(hand.call_seconds([2], [3]) - (3 * 10 + 3 * 100 + (2 + 3 + 4))) < 1e-6
+    # two replicas: the rows dealt round-robin, each engine alone, the call as long as the slower
+    two = dataclasses.replace(hand, replicas=2)
+    assert abs(two.call_seconds([2, 0, 0], [3, 1, 5]) - max(hand.call_seconds([2, 0], [3, 5]), hand.call_seconds([0], [1]))) < 1e-6
+    # prefill: 2 x active params x tokens + causal attention 2 x layers x width x tokens^2, at prefill_mfu
+    pre = bench.GPUCost(layers=2, shared_bytes=10, expert_bytes=0, top_k=1, attention_width=3, flops=1.0, prefill_mfu=0.5)
+    assert pre.forward_flops(4) == 2 * 5 * 4 + 2 * 2 * 3 * 16
+    assert abs(pre.engine_seconds([4], [0]) - pre.forward_flops(4) / 0.5) < 1e-9
+    # the update: (3 for forward + backward, 1 for pi_old, 1 for the reference with KL) x forward FLOPs
+    upd = bench.GPUCost(layers=1, shared_bytes=20, expert_bytes=0, top_k=1, attention_width=0, flops=100,
+                        train_gpus=2, train_mfu=0.5)  # 10 active parameters
+    assert abs(upd.update_seconds([5, 5]) - 4 * 2 * (2 * 10 * 5) / (2 * 100 * 0.5)) < 1e-9
+    assert abs(dataclasses.replace(upd, kl=True).update_seconds([5, 5]) / upd.update_seconds([5, 5]) - 5 / 4) < 1e-9
+    assert bench.rl_step_seconds(3.0, 5.0, overlap=True) == 5.0 and bench.rl_step_seconds(3.0, 5.0, overlap=False) == 8.0
+    # more replicas, never slower; a call lasts at least its longest row's decode steps x the floor
+    rng = random.Random(0)
+    ctx, gen = [rng.randint(100, 2000) for _ in range(256)], [rng.randint(1, 65536) for _ in range(256)]
+    times = [dataclasses.replace(c, replicas=r).call_seconds(ctx, gen) for r in (1, 2, 4, 8, 16)]
+    assert all(a > b for a, b in zip(times, times[1:])) and times[-1] >= max(gen) * c.step_floor
+    # rows that all fit the KV budget decode together: the floor adds exactly (longest row) x floor
+    ctx8, gen8 = ctx[:8], gen[:8]
+    assert abs(c.call_seconds(ctx8, gen8) - dataclasses.replace(c, step_floor=0).call_seconds(ctx8, gen8)
+               - max(gen8) * c.step_floor) < 1e-6
+
+
+def test_gpu_table_reproduces_its_parts(monkeypatch):
+    """gpu_table over a reduced scan: overlap never slower than rollout + update, the step at least the
+    slower of the two on average, and more engines with a higher floor give segments the larger speedup."""
+    import bench
+    monkeypatch.setattr(bench, "FLOORS", (0.0, 0.012))
+    monkeypatch.setattr(bench, "REPLICAS", (1, 64))
+    monkeypatch.setattr(bench, "MFUS", (0.4,))
+    monkeypatch.setattr(bench, "TAILS", ((40, 0.9),))
+    rows = bench.gpu_table([1, 4], 0, steps=2)
+    assert len(rows) == 2 * 2 * 2
+    key = {(x["floor_ms"], x["replicas"], x["overlap"]): x for x in rows}
+    for x in rows:
+        assert x["speedup"][0] == 1.0
+        assert all(s >= max(r, u) - 1e-6 for s, r, u in zip(x["step_s"], x["rollout_s"], x["update_s"]))
+        if not x["overlap"]:
+            assert all(abs(s - r - u) < 1e-6 for s, r, u in zip(x["step_s"], x["rollout_s"], x["update_s"]))
+            assert all(o <= s for o, s in zip(key[x["floor_ms"], x["replicas"], True]["step_s"], x["step_s"]))
+    assert key[12.0, 64, True]["speedup"][1] > key[0.0, 1, True]["speedup"][1]
+
+
+def test_gpu():
+    r = last_json(run_bench("gpu", "--segments", "1,2", "--steps", "1"))
+    assert r["bench"] == "gpu" and r["segments"] == [1, 2] and len(r["by_replicas"]) == 8
+    assert r["speedup_2"][0] <= r["speedup_2"][1] and r["step_s_first"][0] > 0, r
 
 
 def test_memory():
