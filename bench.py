@@ -438,6 +438,16 @@ def print_gpu_table(rows: list[dict], segments: list[int], every_row: bool = Tru
 
 # ------------------------------------------------------------------------------------------ segments
 
+def chunk_rounds(variants: list[str], args):
+    """(round, variant, steps to reach) in interleaved order: every variant advanced --chunk steps a round, the
+    order rotated each round; round 0 (--warmup steps) is not measured. Reports each round's end."""
+    t_start = time.time()
+    for r in range(args.rounds + 1):
+        for v in rotate(variants, r):
+            yield r, v, args.warmup + r * args.chunk
+        print(f"  round {r}/{args.rounds} done ({time.time() - t_start:.0f}s)", flush=True)
+
+
 def segment_rows(variants: list[str], recs: dict, counts: dict, calls: dict, by_round: dict) -> dict:
     """Each variant's measured numbers per optimizer step, printed as the segments table."""
     rows = {}
@@ -499,21 +509,17 @@ def bench_segments(args, train_flags: list[str]) -> dict:
     log = open(os.path.join(work, "train_stdout.log"), "a")
     print(f"segments bench in {work}: variants {variants}, warm-up {args.warmup} steps, then {args.rounds} "
           f"rounds x {args.chunk} steps, torch threads {torch.get_num_threads()}", flush=True)
-    t_start = time.time()
-    for r in range(args.rounds + 1):  # round 0 = warm-up, not measured
-        target = args.warmup + r * args.chunk
-        for s in rotate(variants, r):
-            before, first_call = dict(COUNTS), len(CALLS)
-            got = run_chunk(base + train_flags + ["--segments", s.rstrip("u")], os.path.join(work, f"seg{s}"), target,
-                            log, bucket=not s.endswith("u"))
-            if r == 0:
-                continue
-            calls[s] += CALLS[first_call:]
-            recs[s] += got
-            for k in COUNTS:
-                counts[s][k] += COUNTS[k] - before[k]
-            by_round[s].append(mean([x["reward/mean"] for x in got if x["reward/mean"] is not None]))
-        print(f"  round {r}/{args.rounds} done ({time.time() - t_start:.0f}s)", flush=True)
+    for r, s, target in chunk_rounds(variants, args):
+        before, first_call = dict(COUNTS), len(CALLS)
+        got = run_chunk(base + train_flags + ["--segments", s.rstrip("u")], os.path.join(work, f"seg{s}"), target,
+                        log, bucket=not s.endswith("u"))
+        if r == 0:
+            continue
+        calls[s] += CALLS[first_call:]
+        recs[s] += got
+        for k in COUNTS:
+            counts[s][k] += COUNTS[k] - before[k]
+        by_round[s].append(mean([x["reward/mean"] for x in got if x["reward/mean"] is not None]))
 
     rows = segment_rows(variants, recs, counts, calls, by_round)
     one = rows[variants[0]]
@@ -1017,21 +1023,17 @@ def bench_overlap(args, train_flags: list[str]) -> dict:
     log = open(os.path.join(work, "train_stdout.log"), "a")
     print(f"overlap bench in {work}: --overlap 0 and 1, warm-up {args.warmup} steps, then {args.rounds} rounds x "
           f"{args.chunk} steps; trainer 1 torch thread, engine worker 1 thread (core 1)", flush=True)
-    t_start = time.time()
-    for r in range(args.rounds + 1):  # round 0 = warm-up, not measured
-        target = args.warmup + r * args.chunk
-        for v in rotate(variants, r):
-            first_call = len(DURATIONS)
-            got = run_chunk(base + train_flags + ["--overlap", v], os.path.join(work, f"overlap{v}"), target, log)
-            if r == 0:
-                continue
-            # each chunk's first step is left out: a fresh engine's first call warms it up (~2.5 s here). Its
-            # engine calls are its rounds (a resumed --overlap 1 run starts with the round in its checkpoint and
-            # begins one during its update)
-            recs[v] += got[1:]
-            busy[v] += sum(DURATIONS[first_call + got[0]["rollout/rounds"]:])
-            by_round[v].append(mean([x["reward/mean"] for x in got if x["reward/mean"] is not None]))
-        print(f"  round {r}/{args.rounds} done ({time.time() - t_start:.0f}s)", flush=True)
+    for r, v, target in chunk_rounds(variants, args):
+        first_call = len(DURATIONS)
+        got = run_chunk(base + train_flags + ["--overlap", v], os.path.join(work, f"overlap{v}"), target, log)
+        if r == 0:
+            continue
+        # each chunk's first step is left out: a fresh engine's first call warms it up (~2.5 s here). Its
+        # engine calls are its rounds (a resumed --overlap 1 run starts with the round in its checkpoint and
+        # begins one during its update)
+        recs[v] += got[1:]
+        busy[v] += sum(DURATIONS[first_call + got[0]["rollout/rounds"]:])
+        by_round[v].append(mean([x["reward/mean"] for x in got if x["reward/mean"] is not None]))
     rows = {}
     for v in variants:
         rs = recs[v]
