@@ -340,7 +340,7 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
         if f.name in saved and f.name != "ready":
             setattr(state, f.name, saved[f.name])
     state.ready = [[Sample(**d) for d in g] for g in p["ready"]]
-    if os.path.exists(os.path.join(path, "routing.pt")):
+    if model_lib.rank() == 0 and os.path.exists(os.path.join(path, "routing.pt")):  # only rank 0 samples
         routes = torch.load(os.path.join(path, "routing.pt"), weights_only=True)
         for s in pools.unfinished + [s for g in [*pools.experience.values(), *state.ready] for s in g]:
             s.routing = routes.get(s.uid)

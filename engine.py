@@ -196,9 +196,22 @@ class HFEngine:
         used, self.routing.recorded = self.routing.recorded, []
         return torch.stack(used, 1).to("cpu", model_lib.routing_dtype(self.routing.experts))  # kept on the host
 
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,
                  keys: list[int] | None = None) -> list[Generation]:
+        routing = self.routing
+        if routing is None:
+            return self.sample(prompts, max_tokens, sampling, keys)
+        # recorded as the router chooses, whatever the trainer (sharing the module) replays before and after
+        saved, (routing.replay, routing.tally, routing.recorded) = (routing.replay, routing.tally), (None, None, [])
+        try:
+            return self.sample(prompts, max_tokens, sampling, keys)
+        finally:
+            (routing.replay, routing.tally), routing.recorded = saved, None
+
+    @torch.no_grad()
+    def sample(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,
+               keys: list[int] | None) -> list[Generation]:
+        """generate() without the routing's set-up."""
         if not prompts:
             return []
         keys = request_keys(self.generator, len(prompts)) if keys is None else keys
@@ -216,8 +229,6 @@ class HFEngine:
         active = budget > 0
         stopped = torch.zeros(B, dtype=torch.bool, device=device)
         routing, steps = self.routing, []  # steps: the routing of each decode step's input, [B, layers, top_k]
-        if routing is not None:  # recorded as the router chose, whatever the trainer replays meanwhile
-            saved, (routing.replay, routing.tally, routing.recorded) = (routing.replay, routing.tally), (None, None, [])
         logits, cache, routes = self.prefill(prompts, width, device) if active.any() else (None, None, [None] * B)
         step_pos = torch.tensor(lengths, device=device)[:, None]  # the next token's position: real tokens so far
         for t in range(max(max_tokens)):
@@ -246,7 +257,6 @@ class HFEngine:
         gens = [Generation(out_tokens[i, :n_out[i]].tolist(), out_logps[i, :n_out[i]].tolist(),
                            "stop" if stopped[i] else "length") for i in range(B)]
         if routing is not None:
-            (routing.replay, routing.tally), routing.recorded = saved, None
             steps = torch.stack(steps) if steps else None  # [steps, B, layers, top_k]
             for i, g in enumerate(gens):  # the prefill's positions, then each decode step's input but the last's
                 if routes[i] is not None and g.tokens:

@@ -552,9 +552,10 @@ register_attention()
 # still learns. transformers' Qwen3MoeSparseMoeBlock.forward takes no routing argument: a forward hook on each
 # layer's router (its `gate`) swaps the experts it chose, here and nowhere else.
 #
-# Which routing: position p of a sequence predicts token p + 1, and a segment's engine call computes every
-# position of the sample again (its prefill re-reads the prompt and the earlier segments under the current
-# weights; vLLM's prefix cache is reset after each update). A sample keeps the routing of the engine's latest
+# Which routing: position p of a sequence predicts token p + 1, and a segment's engine call returns every
+# position of the sample under the current weights (its prefill re-reads the prompt and the earlier segments;
+# vLLM's prefix cache is reset after each update, and within one weight version it serves a cached block's
+# routing from the forward that computed it). A sample keeps the routing of the engine's latest
 # forward over each position: [positions, layers, top_k] (uint8 ids, as vLLM returns them), replaced at every
 # segment. That is exactly the forward that sampled its last segment, one policy version throughout; keeping
 # each segment's own decode routing instead would mix versions and reproduce none of the engine's forwards
@@ -569,8 +570,8 @@ def routing_dtype(experts: int) -> torch.dtype:
 class Routing:
     """The experts each Mixture-of-Experts layer of `lm` routes each token to, recorded from its forwards or
     replayed into them. Tokens are the rows of the router's input, in order ([rows x positions] of the
-    micro-batch). Set `replay` to one [tokens, top_k] id tensor per layer (-1 rows: the router's own choice)
-    before a forward; it stays set until changed, so gradient checkpointing's recompute in the backward replays
+    micro-batch). Set `replay` (use(): [layers, tokens, top_k] ids, -1 rows: the router's own choice) before a
+    forward; it stays set until changed, so gradient checkpointing's recompute in the backward replays
     the same ids. `recorded`, when a list, gets each layer's ids as used, per forward. `swap` False: the replay
     ids are only compared with the router's own (`tally`), never used. `tally`, when set, is {"mask": [tokens]
     bool, "differ": 0, "compared": 0}: each layer adds the masked tokens whose own experts differ from the
@@ -600,6 +601,9 @@ class Routing:
         if replay is None:
             self.replay = self.tally = None
             return
+        if replay.shape[0] != len(self.gates) or replay.shape[2] != self.top_k:
+            raise ValueError(f"routing of {replay.shape[0]} layers x top-{replay.shape[2]} for a model with "
+                             f"{len(self.gates)} MoE layers x top-{self.top_k}: recorded by another model?")
         self.replay = replay.new_full((replay.shape[0], n, replay.shape[2]), -1)
         have = replay[:, lo:lo + n]
         self.replay[:, :have.shape[1]] = have

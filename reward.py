@@ -277,7 +277,8 @@ def _rg_answer(response: str) -> str | None:
 
 
 def math_answer(response: str, fallback: str = "last_number") -> str | None:
-    """The answer the math rewards read: from the text after the reasoning (final_text), never from inside it."""
+    """The answer the math rewards read: from the text after the reasoning (final_text: after the last
+    </think>, or the whole response without one)."""
     return extract_answer(final_text(response), fallback)
 
 

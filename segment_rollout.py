@@ -96,7 +96,8 @@ def end_round(pools: Pools, batch: list[Sample], budgets: list[int], gens: list,
     each sample sorted: the experience pool (EOS or global cap) or the unfinished pool (segment cap)."""
     pools.unfinished = []
     for s, g, budget in zip(batch, gens, budgets):
-        s.routing = g.routing
+        if g.routing is not None:  # the engine's latest forward over the sample (model.replay_layout)
+            s.routing = g.routing
         s.seg_starts.append(len(s.tokens))
         s.tokens += g.tokens
         s.logprobs += g.logprobs

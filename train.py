@@ -279,7 +279,7 @@ def prefetch(engine, pools: Pools, rows, state: RunState, tokenizer, sampling: S
         try:
             out["gens"] = engine.generate([s.prompt_ids + s.tokens for s in batch], budgets, sampling,
                                           keys=[s.uid for s in batch])
-        except Exception as e:  # raised again in run_round, on the main thread
+        except BaseException as e:  # collect() reports it on the main thread
             out["error"] = e
 
     thread = threading.Thread(target=decode, name="rollout", daemon=True)
@@ -521,7 +521,7 @@ def main(cfg: Config, engine_hook=None) -> None:
             log.record({**evaluate_before_training(engine, tokenizer, eval_rows, cfg, judge, state), **startup})
             startup = {}
     stop = stop_on_signals(lead, state)
-    step_times, too_long = [], set()
+    step_times, too_long, gap_unchecked = [], set(), False
     while state.step < cfg.steps:
         t0, step = time.time(), state.step + 1
         # the step's metrics.jsonl record: rollout counts first, then the update's, the evaluation's, timing
@@ -550,6 +550,12 @@ def main(cfg: Config, engine_hook=None) -> None:
         record.update(ulorl.update(policy, ref, opt, sched, groups, state.version, tokenizer.pad_token_id, cfg,
                                    masters, state.engine_kl))
         record.update(memory_peaks(cfg, host_before))
+        if lead and cfg.overlap and record["rollout/engine_kl"] is None and not gap_unchecked:
+            gap_unchecked = True  # said once
+            print(f"warning: step {step} trained no token of the current weights (--overlap 1: the round decoded "
+                  f"during the last update is one version old), so the engine/trainer gap check could not run "
+                  f"(rollout/engine_kl null); it runs on steps that also decode a round of their own",
+                  file=sys.stderr, flush=True)
         ulorl.count_bad_steps(record, state, cfg, warn=lead)
         if record["train/optimizer_steps"]:
             state.version += 1

@@ -1,7 +1,7 @@
 """--overlap 1: vLLM (in a process of its own, on CPU too) decodes the next step's first segment round with the
 current weights while the trainer updates. Every step after the first trains tokens one version old at most
-(staleness/engine_lag <= 1), the engine/trainer gap on the current weights' tokens stays at fp32 noise (the
-round is collected before the weight sync), and a run killed between steps resumes bit for bit (the round
+(staleness/engine_lag <= 1), the engine/trainer gap on the current weights' tokens, where a step trains any,
+stays at fp32 noise (the round is collected before the weight sync), and a run killed between steps resumes bit for bit (the round
 decoded during the last update is in the checkpoint's pools). --overlap 0 is the synchronous loop, pinned by
 tests/test_golden.py.
 
