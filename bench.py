@@ -9,6 +9,7 @@
     python bench.py sp                          # --sp 2 vs --sp 1 on 2 ranks: step time and memory at 2k-8k tokens
     python bench.py routing                     # MoE experts and log-prob gap, engine vs trainer, replay off/on
     python bench.py overlap                     # --overlap 1 vs 0: trainer and vLLM in two processes, a core each
+    python bench.py decode                      # a decode step's cost against its busy rows, both engines, 2 sizes
     python bench.py gpu                         # the GPU cost model's UloRL Table 1 over its unknowns (arithmetic)
 
 Every mode prints a table and, last, one JSON line with its figures. Unknown flags of `segments`, `trl` and
@@ -27,6 +28,8 @@ How the runs are interleaved (the machine is noisy, so nothing is compared acros
 - overlap: as segments, one run per --overlap value advanced in chunks in rotating order (0,1 / 1,0 / ...);
   the trainer has one torch thread, vLLM's engine worker one thread on core 1 (VLLM_CPU_OMP_THREADS_BIND);
   each chunk's first step is dropped for both (a fresh engine's first call warms it up).
+- decode: every (engine, model) point in a fresh process, each row count repeated --rounds times in turn
+  (the median); a step's cost is the difference of a 17-token and a 1-token call over its 16 decode steps.
 - routing: counts, not timings, so nothing to interleave: fixed seeds and sizes give the same figures run to
   run (bf16 sums could round otherwise at another thread count; 1 and 2 threads agreed here).
 
@@ -1062,6 +1065,121 @@ def bench_overlap(args, train_flags: list[str]) -> dict:
             "reward_by_round": {v: [round(x, 3) for x in by_round[v]] for v in variants}}
 
 
+# ------------------------------------------------------------------------------- decode step vs busy rows
+
+DECODE_MODELS = "128x4,768x12"  # HIDDENxLAYERS: the tiny default's shape (0.8M parameters) and ~83M
+DECODE_ROWS = "1,2,4,8,16,32,64,128"
+
+
+def decode_model(spec: str, path: str) -> str:
+    """A random dense Qwen3 of `spec` (HIDDENxLAYERS; heads of 32 below 256 wide, else of 64; MLP 3x; the tiny
+    tokenizer) saved at `path`. Random weights are fine: the cost of a step does not depend on them."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import tiny
+    hidden, layers = map(int, spec.split("x"))
+    head = 32 if hidden < 256 else 64
+    tok = tiny.make_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=hidden // head,
+                         num_key_value_heads=max(1, hidden // head // 2), head_dim=head, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, dtype="float32")
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def decode_point(point: str, rows: list[int], tokens: int, rounds: int) -> dict:
+    """One engine on one model, in this process: {rows: seconds a decode step}. A step's cost is (time of a call
+    decoding `tokens` tokens a row - time of one decoding 1) / (tokens - 1), so the prefill cancels; no stop
+    token ends a row early. The median of `rounds`."""
+    kind, path = point.split(":", 1)
+    if kind == "vllm":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        llm = LLM(model=path, dtype="float32", seed=0, max_model_len=256, enforce_eager=True,
+                  kv_cache_memory_bytes=256 * 2**20, enable_prefix_caching=False)
+
+        def call(n, t):
+            params = SamplingParams(max_tokens=t, ignore_eos=True, detokenize=False)
+            llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5, 6 + i % 8]) for i in range(n)], params,
+                         use_tqdm=False)
+    else:
+        from engine import HFEngine, Sampling
+        import model as model_lib
+        lm, tok = model_lib.load(path)
+        eng = HFEngine(lm, [], tok.pad_token_id, seed=0)  # no stop id: every row decodes its whole budget
+
+        def call(n, t):
+            eng.generate([[3, 4, 5, 6 + i % 8] for i in range(n)], [t] * n, Sampling(1.0))
+    call(max(rows), 2)  # warm-up
+    out = {}
+    for n in rows:
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            call(n, tokens)
+            t1 = time.perf_counter()
+            call(n, 1)
+            times.append((t1 - t0 - (time.perf_counter() - t1)) / (tokens - 1))
+        out[n] = statistics.median(times)
+    return out
+
+
+def bench_decode(args, _unused: list[str]) -> dict:
+    """The cost of one decode step against the rows busy in it, for both engines and each model, every point in
+    a fresh process (vLLM in-process, one engine a process). Where a step with 128 rows costs about what one row
+    costs, decoding is bound by reading the weights (the paper's GPU regime: fewer, fuller steps save time); where
+    it grows with the rows, by compute (this CPU's, with small models: segments save little)."""
+    work = args.dir or tempfile.mkdtemp(prefix="bench_decode_")
+    os.makedirs(work, exist_ok=True)
+    rows = [int(n) for n in args.rows.split(",")]
+    engines = [e for e in ("hf", "vllm") if e == "hf" or importlib.util.find_spec("vllm") is not None]
+    print(f"decode bench in {work}: models {args.models}, engines {engines}, rows {rows}, {args.tokens} tokens a "
+          f"call, median of {args.rounds}, torch threads {torch.get_num_threads()}", flush=True)
+    results = {}
+    for spec in args.models.split(","):
+        path = decode_model(spec, os.path.join(work, spec))
+        params = sum(p.numel() for p in __import__("model").load(path)[0].parameters())
+        for kind in engines:
+            proc = subprocess.run([sys.executable, __file__, "decode", "--point", f"{kind}:{path}", "--rows", args.rows,
+                                   "--tokens", str(args.tokens), "--rounds", str(args.rounds)],
+                                  capture_output=True, text=True, timeout=1800)
+            if proc.returncode:
+                raise RuntimeError(f"decode point {kind}:{spec} failed: {proc.stderr[-2000:]}")
+            got = {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+            results[f"{kind} {spec}"] = {"params_m": params / 1e6, "step_s": got}
+            print(f"  {kind} {spec} ({params / 1e6:.1f}M): " + " ".join(f"{n}:{got[n] * 1e3:.1f}ms" for n in rows),
+                  flush=True)
+    print(f"\n{'engine, model':>18} | " + " | ".join(f"{n:>7}" for n in rows) + " | 128 rows / 1 row")
+    for name, r in results.items():
+        s = r["step_s"]
+        print(f"{name:>18} | " + " | ".join(f"{s[n] * 1e3:5.1f}ms" for n in rows) +
+              f" | {s[rows[-1]] / s[rows[0]]:6.1f}x")
+    print("(ms a decode step; the last column: how much more a full step costs than a 1-row step -- 1x is the "
+          "weight-bound GPU regime, where segments' fewer, fuller steps save time)")
+    if args.figure:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for name, r in results.items():
+            ax.plot(rows, [r["step_s"][n] * 1e3 for n in rows], marker="o",
+                    label=f"{name} ({r['params_m']:.1f}M)")
+        ax.set(xscale="log", yscale="log", xlabel="rows busy in the decode step", ylabel="ms a decode step",
+               title="Decode step cost on this CPU (fp32)")
+        ax.set_xticks(rows, [str(n) for n in rows])
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.figure, dpi=120)
+        print(f"figure: {args.figure}")
+    return {"bench": "decode", "rows": rows, "tokens": args.tokens, "threads": torch.get_num_threads(),
+            "results": {k: {"params_m": round(v["params_m"], 2), "step_ms": [v["step_s"][n] * 1e3 for n in rows],
+                            "full_over_one": v["step_s"][rows[-1]] / v["step_s"][rows[0]]} for k, v in results.items()}}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="mode", required=True)
@@ -1103,6 +1221,15 @@ def main(argv=None) -> None:
     g.add_argument("--segments", default="1,2,4", help="comma-separated segment counts; the first is the baseline")
     g.add_argument("--seed", type=int, default=0, help="seed of the drawn response lengths")
     g.add_argument("--steps", type=int, default=6, help="measured RL steps per variant (after S + 2 warm-up steps)")
+    d = sub.add_parser("decode", help="the cost of a decode step against the rows busy in it, both engines, two "
+                                      "model sizes")
+    d.add_argument("--models", default=DECODE_MODELS, help="comma-separated random dense Qwen3s, HIDDENxLAYERS")
+    d.add_argument("--rows", default=DECODE_ROWS, help="comma-separated busy-row counts")
+    d.add_argument("--tokens", type=int, default=17, help="tokens a row decodes a call (16 decode steps)")
+    d.add_argument("--rounds", type=int, default=3, help="repeats of each point (the median is reported)")
+    d.add_argument("--figure", default="", help="write the curves to this PNG")
+    d.add_argument("--dir", default="", help="working directory for the models (default: a fresh temporary one)")
+    d.add_argument("--point", default="", help=argparse.SUPPRESS)  # internal: one engine and model, this process
     r = sub.add_parser("routing", help="MoE routing, engine vs trainer: differing experts and the log-prob gap, "
                                        "replay off and on, fp32 and bf16")
     r.add_argument("--configs", default=ROUTING_CONFIGS,
@@ -1117,13 +1244,18 @@ def main(argv=None) -> None:
     m.add_argument("--point", default="", help=argparse.SUPPRESS)  # internal: one measurement in this process
     m.add_argument("--limit-mb", type=float, default=0.0, help=argparse.SUPPRESS)
     args, rest = p.parse_known_args(argv)
+    if args.mode == "decode" and args.point:
+        rows = [int(n) for n in args.rows.split(",")]
+        print(json.dumps(decode_point(args.point, rows, args.tokens, args.rounds)), flush=True)
+        return
     if args.mode == "memory" and args.point:
         print(json.dumps(memory_point(args.point, int(args.sizes), args.vocab, args.hidden, args.limit_mb)))
         return
-    if rest and args.mode in ("memory", "sp", "routing", "gpu"):
+    if rest and args.mode in ("memory", "sp", "routing", "gpu", "decode"):
         p.error(f"unknown arguments: {' '.join(rest)}")
     result = {"segments": bench_segments, "trl": bench_trl, "memory": bench_memory, "sp": bench_sp,
-              "routing": bench_routing, "overlap": bench_overlap, "gpu": bench_gpu}[args.mode](args, rest)
+              "routing": bench_routing, "overlap": bench_overlap, "gpu": bench_gpu,
+              "decode": bench_decode}[args.mode](args, rest)
     print(json.dumps(clean(result)), flush=True)
 
 

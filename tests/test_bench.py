@@ -148,6 +148,19 @@ def test_sp():
     assert all(row["sp1_s"] > 0 and row["sp2_s"] > 0 for row in r["rows"]), r
 
 
+def test_decode(tmp_path):
+    """Both engines on two tiny shapes, each point in its own process: a step's cost for every row count, and
+    the figure written."""
+    figure = tmp_path / "decode.png"
+    r = last_json(run_bench("decode", "--models", "64x2,128x2", "--rows", "1,4", "--tokens", "4", "--rounds", "1",
+                            "--figure", str(figure), "--dir", str(tmp_path), timeout=300))
+    engines = ["hf", "vllm"] if __import__("importlib").util.find_spec("vllm") else ["hf"]
+    assert r["bench"] == "decode" and sorted(r["results"]) == sorted(f"{e} {m}" for e in engines
+                                                                     for m in ("64x2", "128x2"))
+    assert all(len(x["step_ms"]) == 2 for x in r["results"].values()), r  # timings: not asserted
+    assert r["results"]["hf 128x2"]["params_m"] > r["results"]["hf 64x2"]["params_m"] and figure.stat().st_size
+
+
 def test_routing():
     """Replay takes every decision from the engine, also where the trainer's own router picks others (the deeper
     model in bf16 has such decisions at this size, so the check is not empty); fp32, the control, routes as the
