@@ -149,16 +149,15 @@ def test_sp():
 
 
 def test_decode(tmp_path):
-    """Both engines on two tiny shapes, each point in its own process: a step's cost for every row count, and
-    the figure written."""
+    """Both engines on one tiny shape, each in its own process: a step's cost for every row count, and the figure
+    written."""
     figure = tmp_path / "decode.png"
-    r = last_json(run_bench("decode", "--models", "64x2,128x2", "--rows", "1,4", "--tokens", "4", "--rounds", "1",
+    r = last_json(run_bench("decode", "--models", "64x2", "--rows", "1,4", "--tokens", "4", "--rounds", "1",
                             "--figure", str(figure), "--dir", str(tmp_path), timeout=300))
     engines = ["hf", "vllm"] if __import__("importlib").util.find_spec("vllm") else ["hf"]
-    assert r["bench"] == "decode" and sorted(r["results"]) == sorted(f"{e} {m}" for e in engines
-                                                                     for m in ("64x2", "128x2"))
-    assert all(len(x["step_ms"]) == 2 for x in r["results"].values()), r  # timings: not asserted
-    assert r["results"]["hf 128x2"]["params_m"] > r["results"]["hf 64x2"]["params_m"] and figure.stat().st_size
+    assert r["bench"] == "decode" and sorted(r["results"]) == [f"{e} 64x2" for e in engines]
+    assert all(len(x["step_ms"]) == 2 and x["params_m"] > 0 for x in r["results"].values()), r  # timings: not asserted
+    assert figure.stat().st_size > 0
 
 
 def test_routing():
