@@ -129,8 +129,7 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
                       "experience": [sample_record(s) for g in pools.experience.values() for s in g],
                       "ready": [[sample_record(s) for s in g] for g in state.ready],
                       "next_uid": pools.next_uid, "next_group": pools.next_group}
-        routes = {s.uid: s.routing for s in pools.unfinished + [s for g in [*pools.experience.values(), *state.ready]
-                                                              for s in g] if s.routing is not None}
+        routes = {s.uid: s.routing for s in pooled(pools, state) if s.routing is not None}
         if routes:  # --routing-replay: layers x top_k bytes a token, binary beside the JSON
             with model_lib.HashingWriter(os.path.join(tmp, "routing.pt")) as f:
                 torch.save(routes, f)
@@ -302,6 +301,11 @@ def clear_run(out: str) -> list[str]:
     return held
 
 
+def pooled(pools: Pools, state: RunState) -> list[Sample]:
+    """Every sample a checkpoint keeps: unfinished, in the experience pool, in the ready groups."""
+    return pools.unfinished + [s for g in [*pools.experience.values(), *state.ready] for s in g]
+
+
 def sample_record(s: Sample) -> dict:
     """A sample's fields for ulorl_state.json (its routing goes to routing.pt)."""
     return {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "routing"}
@@ -342,5 +346,5 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
     state.ready = [[Sample(**d) for d in g] for g in p["ready"]]
     if model_lib.rank() == 0 and os.path.exists(os.path.join(path, "routing.pt")):  # only rank 0 samples
         routes = torch.load(os.path.join(path, "routing.pt"), weights_only=True)
-        for s in pools.unfinished + [s for g in [*pools.experience.values(), *state.ready] for s in g]:
+        for s in pooled(pools, state):
             s.routing = routes.get(s.uid)

@@ -293,7 +293,7 @@ def collate(samples: list, pad_id: int, device="cpu", pack: bool = True) -> Micr
         for i, seq in enumerate(seqs):
             ids[i, :len(seq)] = torch.tensor(seq)
             attn[i, :len(seq)] = 1
-        starts = [i * L for i in range(len(samples))]  # in the router's [rows x L] token order
+        starts = [0] * len(samples)
     resp_mask = torch.zeros((len(samples), T), dtype=torch.bool)
     behaviour = torch.zeros((len(samples), T))
     versions = torch.full((len(samples), T), -1, dtype=torch.long)
@@ -304,7 +304,7 @@ def collate(samples: list, pad_id: int, device="cpu", pack: bool = True) -> Micr
         behaviour[i, :n] = torch.tensor(s.logprobs)
         versions[i, :n] = torch.tensor(s.versions)
         rows += [0 if pack else i] * n
-        cols += range(start % ids.shape[1] + p - 1, start % ids.shape[1] + p - 1 + n)
+        cols += range(start + p - 1, start + p - 1 + n)
     mb = MicroBatch(input_ids=ids, attention_mask=attn, position_ids=pos, rows=torch.tensor(rows),
                       cols=torch.tensor(cols), targets=torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long),
                       resp_mask=resp_mask, behaviour=behaviour, versions=versions,
@@ -312,7 +312,8 @@ def collate(samples: list, pad_id: int, device="cpu", pack: bool = True) -> Micr
                       truncated=torch.tensor([s.finish == "truncated" for s in samples])).to(device)
     # replay ids stay in host memory (a step's micro-batches all wait for the update): each router moves its
     # layer's slice to the device as it runs (Routing._route)
-    mb.replay, mb.replay_versions = replay_layout(samples, starts, ids.numel()) or (None, None)
+    first = [start + (0 if pack else i * ids.shape[1]) for i, start in enumerate(starts)]  # in [rows x L] order
+    mb.replay, mb.replay_versions = replay_layout(samples, first, ids.numel()) or (None, None)
     return mb
 
 

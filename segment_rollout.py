@@ -79,8 +79,7 @@ def rollout_step(engine, pools: Pools, new_groups: list[list[Sample]], segment_l
     the experience pool (EOS or global cap) or back into the unfinished pool (segment cap). `sampling` is
     the engine's (engine.Sampling); `version` is stamped on every token decoded now."""
     batch, budgets = begin_round(pools, new_groups, segment_len, max_len)
-    gens = engine.generate([s.prompt_ids + s.tokens for s in batch], budgets, sampling, keys=[s.uid for s in batch])
-    return end_round(pools, batch, budgets, gens, max_len, version)
+    return end_round(pools, batch, budgets, decode(engine, batch, budgets, sampling), max_len, version)
 
 
 def begin_round(pools: Pools, new_groups: list[list[Sample]], segment_len: int, max_len: int) -> tuple[list, list]:
@@ -89,6 +88,11 @@ def begin_round(pools: Pools, new_groups: list[list[Sample]], segment_len: int, 
     batch = pools.unfinished + [s for g in new_groups for s in g]
     pools.unfinished = batch
     return batch, [min(segment_len, max_len - len(s.tokens)) for s in batch]
+
+
+def decode(engine, batch: list[Sample], budgets: list[int], sampling) -> list:
+    """A round's engine call: each sample's prompt + response so far, its random stream named by its uid."""
+    return engine.generate([s.prompt_ids + s.tokens for s in batch], budgets, sampling, keys=[s.uid for s in batch])
 
 
 def end_round(pools: Pools, batch: list[Sample], budgets: list[int], gens: list, max_len: int, version: int) -> dict:

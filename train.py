@@ -28,6 +28,7 @@ import random
 import shutil
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -44,7 +45,7 @@ import sandbox
 import ulorl
 from config import Config, engine_placement, parse_config, tensor_parallel_sizes
 from engine import Sampling, engine_kind, make_engine
-from segment_rollout import Pools, Sample, begin_round, end_round, rollout_step
+from segment_rollout import Pools, Sample, begin_round, decode, end_round, rollout_step
 from ulorl import RunState
 
 
@@ -270,19 +271,17 @@ def prefetch(engine, pools: Pools, rows, state: RunState, tokenizer, sampling: S
     works in a process of its own) while the trainers update; collect() takes it into the pools before the
     weight sync, so new weights reach the engine between its calls, and the round is in the pools (and in any
     checkpoint) before the step ends."""
-    import threading
     batch, budgets = begin_round(pools, draw_groups(pools, rows, state, tokenizer, cfg, too_long, record),
                                  cfg.max_response_len // cfg.segments, cfg.max_response_len)
     out: dict = {}
 
-    def decode():
+    def run():
         try:
-            out["gens"] = engine.generate([s.prompt_ids + s.tokens for s in batch], budgets, sampling,
-                                          keys=[s.uid for s in batch])
+            out["gens"] = decode(engine, batch, budgets, sampling)
         except BaseException as e:  # collect() reports it on the main thread
             out["error"] = e
 
-    thread = threading.Thread(target=decode, name="rollout", daemon=True)
+    thread = threading.Thread(target=run, name="rollout", daemon=True)
     thread.start()
     return batch, budgets, state.version, thread, out
 
