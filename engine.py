@@ -20,10 +20,13 @@ HFEngine: pure PyTorch/transformers, a KV-cached sampling loop over the trainer'
 its weight sync has nothing to copy) or over a copy of it on rank 0 (torchrun, where the trainer's module is
 sharded). Always available; the CPU default.
 VLLMEngine: vLLM, placed as `placement` says (VLLMEngine's docstring), its weights updated through vLLM's
-weight-transfer API (weight_sync.py).
+weight-transfer API (weight_sync.py). Replicas: several vLLM engines as one, each decoding a share of a call.
 """
 import importlib.util
 import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -291,6 +294,7 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own_process else "0"  # in-process: ~2 s start
         from vllm import LLM
         from vllm.config import WeightTransferConfig
+        before = descendants()  # another replica's processes are not this one's
         import weight_sync  # registers the gloo backend in vLLM's factories, here
         self.backend = "gloo" if on_cpu else "nccl" if self.gpus else "ipc"
         self.colocated = self.backend == "ipc"
@@ -312,6 +316,8 @@ class VLLMEngine:
                        tensor_parallel_size=tp, worker_extension_cls="weight_sync.WorkerExtension",
                        weight_transfer_config=WeightTransferConfig(backend=self.backend),
                        **({"enable_return_routed_experts": True} if routing else {}), **placement)
+        if on_cpu and own_process:
+            pin(descendants() - before, bound_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")))
         self.tp, self.dtype, self.transfer = tp, getattr(torch, dtype), None
         self.asleep: set[str] = set()  # what of a sleeping engine's memory is not back yet: "weights", "kv_cache"
         self.seed = seed
@@ -386,6 +392,96 @@ class VLLMEngine:
         self.asleep -= set(todo)
 
 
+class Replicas:
+    """Data-parallel vLLM engines behind one engine's interface (--rollout-replicas): a call's requests are split
+    so that the replicas finish together, and every weight update reaches each of them. vLLM seeds a request from
+    (engine seed, key, prompt length), so the replica that decodes a request does not change what it draws.
+
+    The split is by expected tokens, not by count: the requests, longest expected first, each go to the replica
+    with the fewest expected tokens so far (which also spreads the long ones, whose decode steps a replica's time
+    waits on). A request's expected tokens are its budget times the share of their budgets that requests of its
+    kind used in earlier calls: those continuing a sample (its key ended its last call on its budget: the long
+    tail) and new ones."""
+
+    def __init__(self, engines: list):
+        self.engines = engines
+        self.generator = engines[0].generator  # keys for requests sent without them
+        self.capped: set[int] = set()  # keys whose last call ended on their token budget: they may continue
+        self.used = {True: [0, 0], False: [0, 0]}  # continuing or not -> [tokens decoded, tokens allowed]
+        self.waits: list[tuple[float, float]] = []  # each call's (replica seconds spent waiting, replica seconds)
+
+    def rng_state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+    def expected(self, keys: list[int], max_tokens: list[int]) -> list[float]:
+        share = {k: d / a if a else 1.0 for k, (d, a) in self.used.items()}
+        return [m * share[k in self.capped] for k, m in zip(keys, max_tokens)]
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,
+                 keys: list[int] | None = None) -> list[Generation]:
+        keys = request_keys(self.generator, len(prompts)) if keys is None else keys
+        parts = balance(self.expected(keys, max_tokens), len(self.engines))
+
+        def run(engine, part):
+            if not part:  # fewer requests than replicas
+                return [], 0.0
+            t0 = time.perf_counter()
+            gens = engine.generate([prompts[i] for i in part], [max_tokens[i] for i in part], sampling,
+                                   [keys[i] for i in part])
+            return gens, time.perf_counter() - t0
+
+        with ThreadPoolExecutor(len(self.engines)) as pool:
+            done = [f.result() for f in [pool.submit(run, e, p) for e, p in zip(self.engines, parts)]]
+        gens: list = [None] * len(prompts)
+        for part, (got, _) in zip(parts, done):
+            for i, g in zip(part, got):
+                gens[i] = g
+        for k, m, g in zip(keys, max_tokens, gens):
+            continuing = k in self.capped
+            self.used[continuing][0] += len(g.tokens)
+            self.used[continuing][1] += m
+            if g.finish == "length" and len(g.tokens) == m:
+                self.capped.add(k)
+            else:
+                self.capped.discard(k)
+        seconds = [t for _, t in done]
+        self.waits.append((sum(max(seconds) - t for t in seconds), len(seconds) * max(seconds)))
+        return gens
+
+    def idle(self) -> float | None:
+        """The share of the replicas' time in the calls since the last ask spent waiting for the slowest (0: they
+        finished together); None without a call."""
+        waits, self.waits = self.waits, []
+        total = sum(t for _, t in waits)
+        return sum(w for w, _ in waits) / total if total else None
+
+    def update_weights(self, lm) -> None:
+        for e in self.engines:
+            e.update_weights(lm)
+
+    def pause(self) -> None:
+        for e in self.engines:
+            e.pause()
+
+    def resume(self) -> None:
+        for e in self.engines:
+            e.resume()
+
+
+def balance(expected: list[float], n: int) -> list[list[int]]:
+    """Indices of `expected` in `n` parts of near-equal sums: longest first, each to the part with the least so
+    far (ties: the lower part). Each part keeps its indices in order."""
+    parts, loads = [[] for _ in range(n)], [0.0] * n
+    for i in sorted(range(len(expected)), key=lambda i: -expected[i]):
+        j = loads.index(min(loads))
+        parts[j].append(i)
+        loads[j] += expected[i]
+    return [sorted(p) for p in parts]
+
+
 def vllm_routing(routed_experts, context: int, n: int) -> torch.Tensor:
     """vLLM's CompletionOutput.routed_experts -> Generation.routing. vLLM's array is [positions, layers, top_k]
     (uint8 up to 256 experts, else uint16), one row for every token it fed through the model: the context's,
@@ -395,6 +491,53 @@ def vllm_routing(routed_experts, context: int, n: int) -> torch.Tensor:
         raise RuntimeError(f"vLLM returned routed experts for {got} positions, expected {context + n - 1} (a context "
                            f"of {context} and {n} new tokens): was it started with enable_return_routed_experts?")
     return torch.from_numpy(routed_experts.astype("uint8" if routed_experts.dtype.itemsize == 1 else "int16"))
+
+
+def bound_cores(bind: str) -> set[int]:
+    """The cores VLLM_CPU_OMP_THREADS_BIND names ("1", "0-3", "0-1|2-3": one range per tensor-parallel rank);
+    none for "auto", "nobind" or unset."""
+    if not re.fullmatch(r"\d+(-\d+)?([,|]\d+(-\d+)?)*", bind):
+        return set()
+    cores = set()
+    for part in re.split(r"[,|]", bind):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def core_shares(cores: set[int], n: int) -> list[list[int]]:
+    """`cores` in `n` contiguous shares of near-equal size; with fewer cores than shares, one core each, reused."""
+    cores = sorted(cores)
+    if len(cores) < n:
+        return [[cores[i % len(cores)]] for i in range(n)]
+    return [cores[len(cores) * i // n:len(cores) * (i + 1) // n] for i in range(n)]
+
+
+def descendants() -> set[int]:
+    """The ids of every process this one started, and theirs (vLLM's scheduler process and its workers)."""
+    todo, found = [os.getpid()], set()
+    while todo:
+        pid = todo.pop()
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split() if int(c) not in found]
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
+            pass
+        found.add(pid)
+    return found - {os.getpid()}
+
+
+def pin(pids: set[int], cores: set[int]) -> None:
+    """Every thread of the processes `pids` onto `cores`. vLLM binds only its worker's compute threads; its
+    scheduler process polls the worker's replies in a busy loop, a core's worth on a machine with two, taken
+    from the trainer unless it shares the worker's cores."""
+    for pid in pids if cores else ():
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), cores)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
 
 
 def vllm_available() -> bool:
@@ -415,14 +558,35 @@ def engine_kind(kind: str, device: str) -> str:
 
 def make_engine(kind: str, model, tokenizer, seed: int, path: str = "", max_model_len: int = 0, mem: float = 0.0,
                 device: str = "cpu", dtype: str = "float32", hf_overrides: dict | None = None,
-                own_process: bool = False, gpus: list[int] | None = None, tp: int = 1, routing: bool = False):
+                own_process: bool = False, gpus: list[int] | None = None, tp: int = 1, routing: bool = False,
+                replicas: int = 1):
     """`kind` is --engine (engine_kind). The HF engine samples with `model`; vLLM loads the weights in
     `path` (a local directory or a hub name). `hf_overrides`: config fields vLLM sets over config.json (YaRN,
     model.yarn_overrides); the HF engine needs none, its module already has them. `gpus`, `tp`: vLLM on GPUs
-    of its own, tensor-parallel over `tp` of them. `routing`: return each token's experts (Generation.routing)."""
+    of its own, tensor-parallel over `tp` of them. `routing`: return each token's experts (Generation.routing).
+    `replicas` > 1: that many vLLM engines (Replicas), in processes of their own, on `tp` of `gpus` each, or on
+    CPU on a share each of the cores VLLM_CPU_OMP_THREADS_BIND names (unset: this process's cores)."""
     if engine_kind(kind, device) == "vllm":  # mem 0: 0.25 GiB of KV cache on CPU, 0.9 of a GPU it owns
-        return VLLMEngine(path, seed, dtype, max_model_len, mem or (0.25 if device == "cpu" else 0.9), device,
-                          hf_overrides, own_process, gpus, tp, routing)
+        def one(gpus, own_process):
+            return VLLMEngine(path, seed, dtype, max_model_len, mem or (0.25 if device == "cpu" else 0.9), device,
+                              hf_overrides, own_process, gpus, tp, routing)
+        if replicas <= 1:
+            return one(gpus, own_process)
+        if gpus:
+            return Replicas([one(gpus[i * tp:(i + 1) * tp], True) for i in range(replicas)])
+        bind, engines = os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), []
+        try:
+            for cores in core_shares(bound_cores(bind or "") or os.sched_getaffinity(0), replicas):
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))  # read by the worker it spawns
+                engines.append(one(None, True))
+        finally:
+            if bind is None:
+                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            else:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        return Replicas(engines)
+    if replicas > 1:
+        raise ValueError(f"--rollout-replicas {replicas}: replicas are vLLM engines (--engine vllm)")
     if gpus:
         raise ValueError(f"--rollout-gpus {gpus}: GPUs of its own are for the vLLM engine (pip install vllm==0.32.0)")
     return HFEngine(model, stop_ids(tokenizer, model), tokenizer.pad_token_id, seed, routing=routing)

@@ -131,12 +131,13 @@ def check_overlap(cfg: Config) -> None:
 
 
 def place(cfg: Config, config, local_ranks: int) -> None:
-    """The engine's GPUs and tensor-parallel size into cfg.rollout_gpus / cfg.rollout_tp (config.engine_placement;
-    the model's heads bound the TP)."""
+    """The engines' GPUs, tensor-parallel size and count into cfg.rollout_gpus / rollout_tp / rollout_replicas
+    (config.engine_placement; the model's heads bound the TP)."""
     gpus, tp = engine_placement(cfg, torch.cuda.device_count() if cfg.device.startswith("cuda") else 0, local_ranks,
                                 config.num_attention_heads, getattr(config, "num_key_value_heads", None)
                                 or config.num_attention_heads, engine_kind(cfg.engine, cfg.device) == "vllm")
     cfg.rollout_gpus, cfg.rollout_tp = ",".join(map(str, gpus)), tp if gpus else 0
+    cfg.rollout_replicas = len(gpus) // tp if gpus else cfg.rollout_replicas or 1
 
 
 def fit_parallelism(cfg: Config, world: int, config) -> None:
@@ -174,9 +175,11 @@ def placement_line(cfg: Config, world: int, local_ranks: int, mem: float) -> str
     if kind == "hf":
         engine = "transformers, on " + ("the trainer's own module" if world == 1 else "a copy on rank 0")
     elif not cfg.device.startswith("cuda"):
-        engine = f"vLLM on CPU ({mem:g} GiB of KV cache)"
+        engine = (f"{cfg.rollout_replicas} vLLM replicas" if cfg.rollout_replicas > 1 else "vLLM") + \
+            f" on CPU ({mem:g} GiB of KV cache{' each' if cfg.rollout_replicas > 1 else ''})"
     elif cfg.rollout_gpus:
-        engine = f"vLLM on GPU {cfg.rollout_gpus} (TP {cfg.rollout_tp}, gpu_memory_utilization {mem:.2f})"
+        engine = (f"vLLM on GPU {cfg.rollout_gpus} (" + (f"{cfg.rollout_replicas} replicas of " if cfg.rollout_replicas > 1
+                  else "") + f"TP {cfg.rollout_tp}, gpu_memory_utilization {mem:.2f})")
     else:
         engine = f"vLLM sharing {cfg.device}, asleep during the update (gpu_memory_utilization {mem:.2f})"
     parallel = (f", {cfg.parallel}" + (f", sequence-parallel groups of {cfg.sp}" if cfg.sp > 1 else "")
@@ -233,6 +236,8 @@ def rollout_until_ready(engine, pools: Pools, rows, state: RunState, tokenizer, 
             raise RuntimeError(f"no informative group after {record['rollout/rounds']} rollouts: every group's "
                                f"rewards were all equal (mean reward {sum(s.reward for s in scored) / max(len(scored), 1):.3f}). "
                                f"The task is too easy or too hard for this model; try --dynamic-sampling false")
+    if hasattr(engine, "idle"):  # --rollout-replicas: the share of the replicas' time spent waiting for the slowest
+        record["rollout/replica_idle"] = engine.idle()
     return scored
 
 
@@ -348,7 +353,7 @@ def rollout_engine(cfg: Config, lm, tokenizer, path: str, world: int, mem: float
                        hf_overrides=model_lib.yarn_overrides(lm.config, cfg.rope_scaling_factor,
                                                              cfg.rope_original_max_positions),
                        own_process=world > 1 or cfg.overlap > 0, gpus=gpus, tp=cfg.rollout_tp or 1,
-                       routing=cfg.routing_replay != "false")
+                       routing=cfg.routing_replay != "false", replicas=cfg.rollout_replicas)
 
 
 def held_out(engine, tokenizer, rows: list[dict], cfg: Config, judge: reward.Judge | None) -> dict:
@@ -373,15 +378,16 @@ def evaluate_before_training(engine, tokenizer, eval_rows, cfg: Config, judge, s
             "mpt/masked_frac": None, "rollout/unfinished": 0, "tokens/generated": 0, **ev}
 
 
-def sync_weights(engine, lm, dtype: str) -> None:
+def sync_weights(engine, lm, dtype: str, replicas: int = 1) -> None:
     """Step 7, the one place new weights reach the engine: rank 0's engine takes the trainer's module (vLLM
     through its weight-transfer API, weight_sync.py); the weights are gathered from the FSDP shards a layer
     at a time, cast to the run's `dtype` first (fp32 masters travel as bf16), and every other rank takes its
-    part in those gathers."""
+    part in those gathers: once for each of the `replicas` engines, which take the weights one after the other."""
     if engine is not None:
         engine.update_weights(lm)
     else:
-        model_lib.gather_only(lm, model_lib.DTYPES[dtype])
+        for _ in range(replicas):
+            model_lib.gather_only(lm, model_lib.DTYPES[dtype])
 
 
 # ----------------------------------------------------------------------------------------- logging
@@ -571,7 +577,7 @@ def main(cfg: Config, engine_hook=None) -> None:
             engine.resume()
         if record["train/optimizer_steps"] and not 0 < NO_SYNC_FROM <= step:
             t_sync = time.time()
-            sync_weights(engine, lm, cfg.dtype)
+            sync_weights(engine, lm, cfg.dtype, cfg.rollout_replicas or 1)
             record["time/sync_s"] = time.time() - t_sync
         state.step = step
 

@@ -110,19 +110,23 @@ def test_resume_on_another_world_size_is_refused(runs, tmp_path):
 
 def test_vllm_in_its_own_process_under_torchrun(tmp_path):
     """vLLM cannot run inside a torchrun rank (it would join torchrun's process group), so rank 0 starts it in
-    a process of its own; new weights go through vLLM's weight-transfer API (the gloo backend of
-    weight_sync.py), gathered from the shards a layer at a time. Same rollouts and weights as one process with
-    the in-process engine, and the engine's log-probs match the sharded trainer's after every sync (they
-    are ~0.05 off without the CPU tied-lm_head repack after a reload)."""
+    a process of its own -- here two, --rollout-replicas 2, each decoding its share of every round; new weights
+    go to both through vLLM's weight-transfer API (the gloo backend of weight_sync.py), gathered from the shards
+    a layer at a time, once per replica. Same rollouts and weights as one process with the one in-process
+    engine (a request's draws do not depend on the replica), and the engines' log-probs match the sharded
+    trainer's after every sync: a replica left out of a sync would be off by the update (the log-probs are
+    also ~0.05 off without the CPU tied-lm_head repack after a reload)."""
     pytest.importorskip("vllm")
     no_reset = ["--kl-coef", "0", "--ref-reset-every", "0"]  # no optimizer reset: see the test above
     train_run(tmp_path / "one", "--steps", "3", "--engine", "vllm", *no_reset, ranks=1)
-    train_run(tmp_path / "two", "--steps", "3", "--engine", "vllm", "--parallel", "fsdp", *no_reset)
+    train_run(tmp_path / "two", "--steps", "3", "--engine", "vllm", "--parallel", "fsdp", "--rollout-replicas", "2",
+              *no_reset)
     assert rel_diff(weights(tmp_path / "one", 3), weights(tmp_path / "two", 3)) < 1e-4
     a, b = records(tmp_path / "one"), records(tmp_path / "two")
     assert [r["tokens/generated"] for r in a] == [r["tokens/generated"] for r in b]
     assert [r["reward/trained_mean"] for r in a] == [r["reward/trained_mean"] for r in b]
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in b), [r["rollout/logprob_diff_max"] for r in b]
+    assert all(0 <= r["rollout/replica_idle"] < 1 for r in b) and "rollout/replica_idle" not in a[0]
 
 
 def test_two_nodes_train_like_two_local_ranks(runs, tmp_path):

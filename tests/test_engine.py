@@ -171,3 +171,49 @@ def test_bucketed_prefill_changes_nothing_but_the_padding(tok, lm):
     for i in (1, 4, 9):  # against the naive recomputation too (no padding, no cache)
         for x, lp, d in zip(b[i].tokens, b[i].logprobs, naive_dists(lm, batch[i], b[i].tokens, sampling)):
             assert abs(lp - d[x]) < TOL
+
+
+def test_balance_splits_by_expected_tokens_by_hand():
+    # one long request and ten short ones: a split by count (6 / 5) would give loads 14 and 5; by tokens 10 and 9
+    parts = engine_lib.balance([10] + [1] * 9 + [0.5] * 2, 2)
+    assert parts == [[0], list(range(1, 12))]
+    assert sorted(i for p in parts for i in p) == list(range(12))
+    assert engine_lib.balance([4, 3, 3, 2, 2, 2], 3) == [[0, 5], [1, 3], [2, 4]]  # loads 6, 5, 5
+    assert engine_lib.balance([1.0], 3) == [[0], [], []]
+    assert engine_lib.core_shares({0, 1, 2, 3, 5}, 2) == [[0, 1], [2, 3, 5]]
+    assert engine_lib.core_shares({1}, 2) == [[1], [1]]
+    assert engine_lib.bound_cores("0-2|5") == {0, 1, 2, 5} and engine_lib.bound_cores("auto") == set()
+
+
+def test_replicas_return_what_one_engine_returns_and_learn_what_requests_use(tok, lm):
+    """Two transformers engines as replicas (which replica decodes a request does not change its draws): one
+    engine's tokens, in the caller's order, each replica given its share; a request's expected tokens are its
+    budget times the share of their budgets its kind used before (continuing a sample its last call capped, or
+    not)."""
+    sampling = Sampling(1.0)
+    make = lambda: HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=4)
+    prompts, keys = [ids(tok, p) for p in PROMPTS * 4], list(range(200, 216))
+    one, both, asked = make(), engine_lib.Replicas([make(), make()]), []
+
+    def counted(generate):
+        def call(p, *rest):
+            asked.append(len(p))
+            return generate(p, *rest)
+        return call
+
+    for e in both.engines:
+        e.generate = counted(e.generate)
+    first = both.generate(prompts, [6] * 16, sampling, keys)
+    assert [g.tokens for g in first] == [g.tokens for g in one.generate(prompts, [6] * 16, sampling, keys)]
+    assert asked == [8, 8] and both.idle() is not None and both.idle() is None  # asking empties it
+    capped = {k for k, g in zip(keys, first) if len(g.tokens) == 6 and g.finish == "length"}
+    assert both.capped == capped and 0 < len(capped) < 16
+    new_share = sum(len(g.tokens) for g in first) / 96
+    assert both.expected([keys[0], 999], [6, 6]) == pytest.approx(
+        [6.0 if keys[0] in capped else 6 * new_share, 6 * new_share])  # no continuation seen yet: its whole budget
+    live = [i for i in range(16) if keys[i] in capped]
+    second = both.generate([prompts[i] + first[i].tokens for i in live], [6] * len(live), sampling,
+                           [keys[i] for i in live])
+    continued_share = sum(len(g.tokens) for g in second) / (6 * len(live))
+    assert both.expected([keys[live[0]], 999], [10, 10]) == pytest.approx(
+        [10 * (continued_share if keys[live[0]] in both.capped else new_share), 10 * new_share])

@@ -40,7 +40,7 @@ def test_free_gpus_serve(gpus, ranks, want):
     assert engine_placement(gpu_cfg(), gpus, ranks, 32, 4, vllm=True) == want
 
 
-def test_placement_refusals_and_explicit_gpus():
+def test_placement_refusals_and_explicit_gpus(capsys):
     with pytest.raises(ValueError, match=r"every GPU of this machine \(8\) is a trainer rank.*--nproc-per-node 6"):
         engine_placement(gpu_cfg(), 8, 8, 32, 4, vllm=True)
     assert engine_placement(gpu_cfg("--rollout-gpus", "6,7"), 8, 6, 32, 4, vllm=True) == ([6, 7], 2)
@@ -50,8 +50,24 @@ def test_placement_refusals_and_explicit_gpus():
     third = gpu_cfg()
     third.device = "cuda:3"  # one process on GPU 3: the engine takes free ones, never the trainer's
     assert engine_placement(third, 8, 1, 32, 4, vllm=True) == ([0, 1, 2, 4], 4)
-    with pytest.raises(ValueError, match=r"cannot split 32 attention heads \(4 KV heads\) over 3 GPUs; give 1 or 2"):
+    with pytest.raises(ValueError, match=r"cannot split 32 attention heads \(4 KV heads\) over 3 GPUs; an engine takes "
+                                         r"1 or 2 of them"):
         engine_placement(gpu_cfg("--rollout-gpus", "5,6,7"), 8, 5, 32, 4, vllm=True)
+    # data-parallel replicas: 4 GPUs as 2 engines of TP 2, said either way; 3 GPUs make no 2 equal replicas
+    assert engine_placement(gpu_cfg("--rollout-gpus", "4,5,6,7", "--rollout-tp", "2"), 8, 4, 32, 4, vllm=True) == \
+        engine_placement(gpu_cfg("--rollout-gpus", "4", "--rollout-replicas", "2"), 8, 4, 32, 4, vllm=True) == \
+        ([4, 5, 6, 7], 2)
+    with pytest.raises(ValueError, match=r"3 GPUs are not 2 engine\(s\) of tensor-parallel size 2"):
+        engine_placement(gpu_cfg("--rollout-gpus", "5,6,7", "--rollout-tp", "2", "--rollout-replicas", "2"), 8, 5,
+                         32, 4, vllm=True)
+    with pytest.raises(ValueError, match=r"3 GPUs are not a whole number of engines of tensor-parallel size 2"):
+        engine_placement(gpu_cfg("--rollout-gpus", "5,6,7", "--rollout-tp", "2"), 8, 5, 32, 4, vllm=True)
+    for flags, why in ((["--rollout-replicas", "2"], "replicas are vLLM engines; add --engine vllm"),
+                       (["--rollout-replicas", "2", "--engine", "vllm", "--device", "cuda", "--plan"],
+                        "on GPU the replicas need GPUs of their own")):
+        with pytest.raises(SystemExit):
+            parse_config(flags)
+        assert why in capsys.readouterr().err
     assert engine_placement(gpu_cfg(), 8, 6, 32, 4, vllm=False) == ([], 1)  # the transformers engine: rank 0
     cpu = gpu_cfg()
     cpu.device = "cpu"
