@@ -415,19 +415,20 @@ def engine_placement(cfg: Config, gpu_count: int, local_ranks: int, heads: int, 
     cuda:r; one process: its --device), one engine over as many as the largest TP that fits them
     (`torchrun --nproc-per-node 6` on 8 GPUs: 6,7, TP 2); none free: the trainer's GPU, one trainer process
     only ([] here), since several colocated trainer processes are not built. gpu_count 0 (a plan made without
-    GPUs): --rollout-gpus as written, unchecked. `vllm`: the engine is vLLM (engine.engine_kind)."""
+    GPUs): --rollout-gpus as written, not checked against a machine. `vllm`: the engine is vLLM (engine.engine_kind)."""
     used = [int(cfg.device.split(":")[1])] if local_ranks == 1 and ":" in cfg.device else list(range(local_ranks))
     if cfg.rollout_gpus:
         parts = [int(p) for p in cfg.rollout_gpus.split(",")]
         if not gpu_count:
             gpus = parts if "," in cfg.rollout_gpus else list(range(local_ranks, local_ranks + parts[0]))
-            return gpus, cfg.rollout_tp or len(gpus) // (cfg.rollout_replicas or 1)
-        gpus = parts if "," in cfg.rollout_gpus else list(range(gpu_count - parts[0], gpu_count))
-        if not gpus or set(gpus) & set(used) or max(gpus) >= gpu_count:
-            raise ValueError(f"--rollout-gpus {cfg.rollout_gpus}: GPUs {gpus} of {gpu_count}, but this machine's "
-                             f"trainer process(es) use {', '.join(f'cuda:{g}' for g in used)}; leave those to training")
+        else:
+            gpus = parts if "," in cfg.rollout_gpus else list(range(gpu_count - parts[0], gpu_count))
+            if not gpus or set(gpus) & set(used) or max(gpus) >= gpu_count:
+                raise ValueError(f"--rollout-gpus {cfg.rollout_gpus}: GPUs {gpus} of {gpu_count}, but this machine's "
+                                 f"trainer process(es) use {', '.join(f'cuda:{g}' for g in used)}; leave those to "
+                                 f"training")
         tp = cfg.rollout_tp or len(gpus) // (cfg.rollout_replicas or 1)
-        replicas = cfg.rollout_replicas or len(gpus) // tp
+        replicas = cfg.rollout_replicas or len(gpus) // max(tp, 1)
         if not tp or tp * replicas != len(gpus):
             want = f"{cfg.rollout_replicas} engine(s)" if cfg.rollout_replicas else "a whole number of engines"
             raise ValueError(f"--rollout-gpus {cfg.rollout_gpus}: {len(gpus)} GPUs are not {want} of "

@@ -22,6 +22,7 @@ sharded). Always available; the CPU default.
 VLLMEngine: vLLM, placed as `placement` says (VLLMEngine's docstring), its weights updated through vLLM's
 weight-transfer API (weight_sync.py). Replicas: several vLLM engines as one, each decoding a share of a call.
 """
+import copy
 import importlib.util
 import os
 import re
@@ -400,13 +401,13 @@ class Replicas:
     The split is by expected tokens, not by count: the requests, longest expected first, each go to the replica
     with the fewest expected tokens so far (which also spreads the long ones, whose decode steps a replica's time
     waits on). A request's expected tokens are its budget times the share of their budgets that requests of its
-    kind used in earlier calls: those continuing a sample (its key ended its last call on its budget: the long
-    tail) and new ones."""
+    kind used in earlier calls: those continuing a sample (its key's last call ended on its budget, and it comes
+    back as that call's context and tokens: the long tail) and new ones."""
 
     def __init__(self, engines: list):
         self.engines = engines
         self.generator = engines[0].generator  # keys for requests sent without them
-        self.capped: set[int] = set()  # keys whose last call ended on their token budget: they may continue
+        self.capped: dict[int, int] = {}  # key -> context + tokens of its last call, which ended on its budget
         self.used = {True: [0, 0], False: [0, 0]}  # continuing or not -> [tokens decoded, tokens allowed]
         self.waits: list[tuple[float, float]] = []  # each call's (replica seconds spent waiting, replica seconds)
 
@@ -416,14 +417,17 @@ class Replicas:
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
 
-    def expected(self, keys: list[int], max_tokens: list[int]) -> list[float]:
+    def continuing(self, key: int, context: int) -> bool:
+        return self.capped.get(key) == context
+
+    def expected(self, keys: list[int], max_tokens: list[int], contexts: list[int]) -> list[float]:
         share = {k: d / a if a else 1.0 for k, (d, a) in self.used.items()}
-        return [m * share[k in self.capped] for k, m in zip(keys, max_tokens)]
+        return [m * share[self.continuing(k, c)] for k, m, c in zip(keys, max_tokens, contexts)]
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,
                  keys: list[int] | None = None) -> list[Generation]:
         keys = request_keys(self.generator, len(prompts)) if keys is None else keys
-        parts = balance(self.expected(keys, max_tokens), len(self.engines))
+        parts = balance(self.expected(keys, max_tokens, [len(p) for p in prompts]), len(self.engines))
 
         def run(engine, part):
             if not part:  # fewer requests than replicas
@@ -439,17 +443,24 @@ class Replicas:
         for part, (got, _) in zip(parts, done):
             for i, g in zip(part, got):
                 gens[i] = g
-        for k, m, g in zip(keys, max_tokens, gens):
-            continuing = k in self.capped
+        for k, m, p, g in zip(keys, max_tokens, prompts, gens):
+            continuing = self.continuing(k, len(p))
             self.used[continuing][0] += len(g.tokens)
             self.used[continuing][1] += m
-            if g.finish == "length" and len(g.tokens) == m:
-                self.capped.add(k)
+            if g.finish == "length" and len(g.tokens) == m:  # a key reused (evaluation's) only replaces its entry
+                self.capped[k] = len(p) + m
             else:
-                self.capped.discard(k)
+                self.capped.pop(k, None)
         seconds = [t for _, t in done]
         self.waits.append((sum(max(seconds) - t for t in seconds), len(seconds) * max(seconds)))
         return gens
+
+    def bookkeeping(self) -> tuple:
+        """What generate learns and measures, to put back (restore) after calls that are not the rollout's."""
+        return copy.deepcopy((self.capped, self.used, self.waits))
+
+    def restore(self, kept: tuple) -> None:
+        self.capped, self.used, self.waits = kept
 
     def idle(self) -> float | None:
         """The share of the replicas' time in the calls since the last ask spent waiting for the slowest (0: they
@@ -534,10 +545,14 @@ def pin(pids: set[int], cores: set[int]) -> None:
     from the trainer unless it shares the worker's cores."""
     for pid in pids if cores else ():
         try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:  # exited meanwhile
+            continue
+        for tid in tids:
+            try:
                 os.sched_setaffinity(int(tid), cores)
-        except (FileNotFoundError, ProcessLookupError):
-            pass
+            except ProcessLookupError:
+                pass
 
 
 def vllm_available() -> bool:
@@ -565,7 +580,8 @@ def make_engine(kind: str, model, tokenizer, seed: int, path: str = "", max_mode
     model.yarn_overrides); the HF engine needs none, its module already has them. `gpus`, `tp`: vLLM on GPUs
     of its own, tensor-parallel over `tp` of them. `routing`: return each token's experts (Generation.routing).
     `replicas` > 1: that many vLLM engines (Replicas), in processes of their own, on `tp` of `gpus` each, or on
-    CPU on a share each of the cores VLLM_CPU_OMP_THREADS_BIND names (unset: this process's cores)."""
+    CPU on a share each of the cores VLLM_CPU_OMP_THREADS_BIND names (unset or "auto": this process's cores;
+    "nobind": none of them bound)."""
     if engine_kind(kind, device) == "vllm":  # mem 0: 0.25 GiB of KV cache on CPU, 0.9 of a GPU it owns
         def one(gpus, own_process):
             return VLLMEngine(path, seed, dtype, max_model_len, mem or (0.25 if device == "cpu" else 0.9), device,
@@ -575,6 +591,8 @@ def make_engine(kind: str, model, tokenizer, seed: int, path: str = "", max_mode
         if gpus:
             return Replicas([one(gpus[i * tp:(i + 1) * tp], True) for i in range(replicas)])
         bind, engines = os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), []
+        if bind == "nobind":
+            return Replicas([one(None, True) for _ in range(replicas)])
         try:
             for cores in core_shares(bound_cores(bind or "") or os.sched_getaffinity(0), replicas):
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))  # read by the worker it spawns

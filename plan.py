@@ -189,11 +189,13 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
     if routed:  # the replay ids wait in host memory (below); each router moves its layer's slice to the device
         trainer["routing replay ids"] = T * shape.experts_per_token * 8
     slots = cfg.prompts_per_step * cfg.group_size
+    share = -(-slots // max(cfg.rollout_replicas, 1))  # each of --rollout-replicas engines holds its share of them
     kv_per_slot = 2 * shape.layers * shape.kv_heads * shape.head_dim * c * (cfg.max_prompt_len + cfg.max_response_len)
     engine = {}
     if vllm:  # vLLM queues what its KV cache cannot hold: the whole batch at full context is the ideal, not a must
         engine = {"weights": P * c // engine_ranks, "KV cache, 1 sample": kv_per_slot // engine_ranks,
-                  f"KV cache, all {slots} samples": kv_per_slot * slots // engine_ranks}
+                  (f"KV cache, all {slots} samples" if share == slots else f"KV cache, its {share} samples"):
+                      kv_per_slot * share // engine_ranks}
     else:  # the transformers engine samples on rank 0, beside the trainer: the batch's cache (<= 256 held-out rows),
         # and under torchrun a whole copy of the model (the trainer's module is sharded or replicated)
         trainer["rollout KV cache (rank 0)"] = kv_per_slot * max(slots, min(256, cfg.eval_n) if cfg.eval_data else 0)

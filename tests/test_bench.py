@@ -160,6 +160,45 @@ def test_decode(tmp_path):
     assert figure.stat().st_size > 0
 
 
+def test_enforced_lengths_through_a_real_engine(tok, lm):
+    """Enforced around the transformers engine (no stop id) under the real scheduler: a sample ends exactly where
+    the long tail drew its length, whatever the segments, and a segment's call never decodes past cap / S."""
+    import bench
+    from engine import HFEngine, Sampling
+    eng = HFEngine(lm, [], tok.pad_token_id, seed=0)
+    length = bench.long_tail(1, 24, 8, 0.9)
+    for segments in (1, 3):
+        totals = {}
+
+        def generate(prompts, budgets, keys):
+            gens = eng.generate(prompts, budgets, Sampling(1.0), keys)
+            for k, g in zip(keys, gens):
+                totals[k] = totals.get(k, 0) + len(g.tokens)
+            return gens
+
+        enforced = bench.Enforced(generate, length)
+        run = bench.segment_steps(enforced, segments, 24, 3, 2, 3)
+        trained = []
+        for _ in range(4):
+            calls, lengths = next(run)
+            assert len(lengths) == 6 and all(max(gen) <= 24 // segments for _, gen in calls)
+            trained += lengths
+        assert enforced.seconds > 0 and all(n <= length(k) for k, n in totals.items())
+        ended = {length(k) for k, n in totals.items() if n == length(k)}
+        assert all(n - 4 in ended for n in trained)  # prompts of 4 tokens
+        assert segments == 1 or any(n - 4 > 24 // segments for n in trained)  # some took several segments
+
+
+def test_scale():
+    """The scale mode at a trivial size, the transformers engine alone: every variant measured for every step,
+    its samples all trained, its decode steps no more than the variant's segment length allows."""
+    r = last_json(run_bench("scale", "--shape", "64x2", "--cap", "16", "--median", "6", "--prompts", "2", "--group",
+                            "2", "--steps", "2", "--warmup", "0", "--segments", "1,4", "--engines", "hf", timeout=300))
+    x = r["results"]["hf"]
+    assert r["bench"] == "scale" and r["segments"] == [1, 4] and len(x["speedup"]) == 2 and x["speedup"][0] == 1
+    assert all(0 < rows <= 4 for rows in x["rows_per_step"]) and all(n > 0 for n in x["decode_steps"]), r
+
+
 def test_routing():
     """Replay takes every decision from the engine, also where the trainer's own router picks others (the deeper
     model in bf16 has such decisions at this size, so the check is not empty); fp32, the control, routes as the

@@ -206,14 +206,17 @@ def test_replicas_return_what_one_engine_returns_and_learn_what_requests_use(tok
     first = both.generate(prompts, [6] * 16, sampling, keys)
     assert [g.tokens for g in first] == [g.tokens for g in one.generate(prompts, [6] * 16, sampling, keys)]
     assert asked == [8, 8] and both.idle() is not None and both.idle() is None  # asking empties it
-    capped = {k for k, g in zip(keys, first) if len(g.tokens) == 6 and g.finish == "length"}
-    assert both.capped == capped and 0 < len(capped) < 16
+    live = [i for i in range(16) if len(first[i].tokens) == 6 and first[i].finish == "length"]
+    assert both.capped == {keys[i]: len(prompts[i]) + 6 for i in live} and 0 < len(live) < 16
     new_share = sum(len(g.tokens) for g in first) / 96
-    assert both.expected([keys[0], 999], [6, 6]) == pytest.approx(
-        [6.0 if keys[0] in capped else 6 * new_share, 6 * new_share])  # no continuation seen yet: its whole budget
-    live = [i for i in range(16) if keys[i] in capped]
+    i = live[0]  # a capped sample coming back as its context is expected to use its whole budget (none seen yet);
+    # its key with another context (evaluation reuses keys) is a new request
+    assert both.expected([keys[i], keys[i], 999], [6] * 3, [len(prompts[i]) + 6, len(prompts[i]), 4]) == \
+        pytest.approx([6.0, 6 * new_share, 6 * new_share])
     second = both.generate([prompts[i] + first[i].tokens for i in live], [6] * len(live), sampling,
                            [keys[i] for i in live])
     continued_share = sum(len(g.tokens) for g in second) / (6 * len(live))
-    assert both.expected([keys[live[0]], 999], [10, 10]) == pytest.approx(
-        [10 * (continued_share if keys[live[0]] in both.capped else new_share), 10 * new_share])
+    again = [j for j, g in zip(live, second) if len(g.tokens) == 6 and g.finish == "length"]
+    assert both.capped == {keys[j]: len(prompts[j]) + 12 for j in again}  # finished ones leave it
+    assert both.expected([keys[live[0]], 999], [10, 10], [len(prompts[live[0]]) + 12, 4]) == pytest.approx(
+        [10 * (continued_share if live[0] in again else new_share), 10 * new_share])

@@ -1,12 +1,14 @@
 """The GPU check (tests/gpu/check.py) without a GPU: the commands its dry run prints for 1, 2, 4 and 8 GPUs have
 the placement of each count and the headline run's shape (a 64-expert MoE by hub name, bf16, YaRN, a 32k
 engine, the gap check at its defaults), the kernel check first on one GPU, packed rows through varlen under
-FSDP2 and a second phase with sequence parallelism and the optimizer offloaded, and last the routing pair (the
+FSDP2 and a second phase with sequence parallelism and the optimizer offloaded, then the routing pair (the
 MoE colocated with --routing-replay true and record, two at once where two GPUs are free, one after the other on
-one); train.py accepts every command's flags (its --plan), and refuses the pair's on a CPU with vLLM; the pair's
-comparison passes and fails as it should; the kernel check's comparison, run on the CPU with sdpa against its
-per-sequence reference, passes right boundaries and catches wrong ones; and the Hugging Face cache it builds
-resolves the hub name offline.
+one); on 2, 3, 4, 6 and 8 GPUs the overlap run (--overlap 1, one trainer process, two engine replicas of TP 1 on
+3+ GPUs, one engine on 2) in the last phase or after it, and none on 1; train.py accepts every command's flags
+(its --plan) and derives the replicas from them, and refuses the pair's on a CPU with vLLM; the pair's
+comparison and the overlap run's criteria (engine_lag, replica_idle) pass and fail as they should; the kernel
+check's comparison, run on the CPU with sdpa against its per-sequence reference, passes right boundaries and
+catches wrong ones; and the Hugging Face cache it builds resolves the hub name offline.
 
     python -m pytest tests/test_gpu_check.py -q      # ~50 s on 2 cores
 """
@@ -69,8 +71,9 @@ def test_dry_run_placements(n):
     assert "train.py" not in kernel_cmd and "--kernel" in kernel_flags
     phases = [[c[1:] for c in commands if c[0] == p] for p in range(1, max(c[0] for c in commands) + 1)]
     pair = [(i, c) for i, phase in enumerate(phases) for c in phase if c[2]["--routing-replay"] != "false"]
-    # a second phase where there is an fsdp run; then the routing pair, in a phase of its own (two on one GPU)
-    assert len(phases) == (2 if n >= 4 else 1) + (2 if n == 1 else 1)
+    # a second phase where there is an fsdp run; then the routing pair, in a phase of its own (two on one GPU);
+    # then the overlap run, in a phase of its own on 2 and 4 GPUs, beside the pair on 8, none on 1
+    assert len(phases) == (2 if n >= 4 else 1) + (2 if n == 1 else 1) + (1 if n in (2, 4) else 0)
     first_env, first, flags = phases[0][0]
     assert flags["--model"] == check.HUB["moe"], "the MoE model runs on every GPU count, first"
     torchrun, ranks = launcher(first)
@@ -93,8 +96,9 @@ def test_dry_run_placements(n):
     assert [flags["--routing-replay"] for _, (_, _, flags) in pair] == ["true", "record"], "replay first"
     if n == 1:  # one after the other, a phase each, on the one GPU
         assert [i for i, _ in pair] == [1, 2] and len(phases[1]) == len(phases[2]) == 1
-    else:  # at once on two GPUs, after the other runs (none idle in the last phase of 2, 4 or 8 GPUs)
-        assert [i for i, _ in pair] == [len(phases) - 1] * 2 and len(phases[-1]) == 2
+    else:  # at once on two GPUs, after the other runs (none idle in the last phase of 2, 4 or 8 GPUs); on 8 the
+        after = 2 if n >= 4 else 1  # overlap run beside them
+        assert [i for i, _ in pair] == [after] * 2 and len(phases[after]) == (3 if n == 8 else 2)
         assert [env["CUDA_VISIBLE_DEVICES"] for _, (env, _, _) in pair] == ["0", "1"]
     (_, replay), (_, record) = pair
     for env, words, flags in (replay, record):  # the MoE colocated (the placement of every count), short
@@ -118,6 +122,8 @@ def test_dry_run_placements(n):
         assert flags["--sp"] == "1" and flags["--offload-optimizer"] == "false", "never left to the memory plan"
     others = [c for phase in phases for c in phase if c[2]["--routing-replay"] == "false"]
     assert len(others) + 2 == sum(map(len, phases)), "routing only in the pair: the other runs check the default"
+    overlapped = [c for phase in phases for c in phase if c[2]["--overlap"] != "0"]
+    assert len(overlapped) == (0 if n == 1 else 1), "--overlap 1 only in the overlap run"
     if n >= 4:  # the fsdp runs again, same GPUs and placement, with SP over both ranks and the optimizer offloaded
         again = [c for c in phases[0] if launcher(c[1])[0]]
         assert len(phases[1]) == len(again) == (2 if n == 8 else 1)
@@ -144,7 +150,7 @@ def test_dry_run_placements(n):
             "the engine/trainer gap check and the engine's memory stay at their defaults"
         for flag in ("--preset", "--lr", "--steps", "--group-size", "--prompts-per-step", "--train-groups",
                      "--max-prompt-len", "--eval-data", "--out", "--data", "--seed", "--temperature", "--pack",
-                     "--attn-implementation", "--sp", "--offload-optimizer", "--routing-replay"):
+                     "--attn-implementation", "--sp", "--offload-optimizer", "--routing-replay", "--overlap"):
             assert flag in flags, f"{flag} is passed explicitly"
         assert flags["--eval-data"] == ""
         if launcher(words)[0]:
@@ -154,7 +160,7 @@ def test_dry_run_placements(n):
 def test_routing_pair_placement():
     """On every GPU count the routing pair is the MoE colocated, one GPU each, replay then record: on 6-7 GPUs in
     the second phase, beside the fsdp run on the GPUs the dense run left; else in a phase after the others,
-    both at once, or on one GPU in a phase each."""
+    both at once, or on one GPU in a phase each (the overlap run may follow it, or join its phase)."""
     for n in range(1, 9):
         phases = check.plan_runs([str(i) for i in range(n)], "/w")
         pair = [(i, r) for i, phase in enumerate(phases) for r in phase if r.variant in check.ROUTING_VARIANTS]
@@ -167,10 +173,72 @@ def test_routing_pair_placement():
         if n == 1:
             assert len(phases) == 3 and [i for i, _ in pair] == [1, 2]
         elif n in (6, 7):
-            assert len(phases) == 2 and [i for i, _ in pair] == [1, 1] and [r.gpus for _, r in pair] == [["4"], ["5"]]
+            assert [i for i, _ in pair] == [1, 1] and [r.gpus for _, r in pair] == [["4"], ["5"]]
         else:
-            assert [i for i, _ in pair] == [len(phases) - 1] * 2 and len(phases[-1]) == 2
+            after = 2 if n >= 4 else 1
+            assert [i for i, _ in pair] == [after] * 2
+            assert {r.variant for r in phases[after]} <= {*check.ROUTING_VARIANTS, "overlap"}
             assert [r.gpus for _, r in pair] == [["0"], ["1"]]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 6, 8])
+def test_dry_run_overlap(n):
+    """The overlap run in the commands of the dry run: the MoE model, one trainer process on the first of its GPUs
+    with --overlap 1, OVERLAP_STEPS steps, packed rows, and the engines on its other GPUs: two replicas of TP 1
+    (--rollout-gpus 1,2 --rollout-tp 1; train.py derives --rollout-replicas) on 3+ GPUs, one engine on 2. In the
+    last phase, alone in a phase of its own, but on 8 GPUs beside the routing pair on the GPUs it leaves idle.
+    None on one GPU, where the dry run says why."""
+    commands = dry_run(n)
+    assert all(c[3]["--overlap"] in ("0", "1") for c in commands if c[0]), "--overlap given to every run"
+    runs = [c for c in commands if c[0] and c[3]["--overlap"] == "1"]
+    if n == 1:  # --overlap refuses an engine on the trainer's GPU
+        assert not runs
+        proc = run(["bash", "tests/gpu/check.sh", "--dry-run", "--gpus", "1"], timeout=60)
+        assert "# no overlap run: --overlap needs the engine on GPUs of its own" in proc.stdout
+        return
+    [(phase, env, words, flags)] = runs
+    want = {2: (3, "0,1", "1"), 3: (3, "0,1,2", "1,2"), 4: (4, "0,1,2", "1,2"), 6: (3, "0,1,2", "1,2"),
+            8: (3, "2,3,4", "1,2")}[n]
+    assert (phase, env["CUDA_VISIBLE_DEVICES"], flags["--rollout-gpus"]) == want
+    assert phase == max(c[0] for c in commands), "the last phase"
+    beside = [c for c in commands if c[0] == phase and c is not runs[0]]
+    assert [c[3]["--routing-replay"] for c in beside] == (["true", "record"] if n == 8 else [])
+    used = [g for c in commands if c[0] == phase for g in c[1]["CUDA_VISIBLE_DEVICES"].split(",")]
+    assert len(used) == len(set(used)), "runs at once share no GPU"
+    assert not launcher(words)[0], "one trainer process"
+    assert flags["--rollout-tp"] == "1" and "--rollout-replicas" not in flags, "replicas derived from the GPUs and TP"
+    assert flags["--model"] == check.HUB["moe"] and flags["--steps"] == str(check.OVERLAP_STEPS)
+    assert flags["--pack"] == "true" and flags["--attn-implementation"] == "varlen"
+    assert flags["--sp"] == "1" and flags["--offload-optimizer"] == "false" and flags["--routing-replay"] == "false"
+    assert flags["--is-mode"] == "pois", "tois admits no token of the previous weights"
+    assert flags["--engine"] == "vllm" and flags["--device"] == "cuda" and flags["--dtype"] == "bfloat16"
+    # the routing pair's replay run's flags but for the overlap, its placement, steps, --out and routing
+    [replay] = [c[3] for c in commands if c[0] and c[3]["--routing-replay"] == "true"]
+    differ = ("--overlap", "--rollout-gpus", "--rollout-tp", "--steps", "--out", "--routing-replay")
+    assert {k: v for k, v in flags.items() if k not in differ} == {k: v for k, v in replay.items() if k not in differ}
+
+
+def test_overlap_run_placement():
+    """On every GPU count from 2 the overlap run is the MoE model in the overlap placement (3 GPUs and two
+    engines from 3 GPUs, 2 and one on 2), in the last phase: beside the runs before it where they leave its GPUs
+    idle (5 and 8 GPUs), else alone after them; on one GPU there is none. engine_count reads the engines a run
+    starts from its flags."""
+    for n in range(1, 9):
+        phases = check.plan_runs([str(i) for i in range(n)], "/w")
+        runs = [(i, r) for i, phase in enumerate(phases) for r in phase if r.variant == "overlap"]
+        assert all(check.engine_count(r) == 1 for phase in phases for r in phase if r.variant != "overlap")
+        if n == 1:
+            assert not runs and check.overlap_placement(1) is None
+            continue
+        [(i, r)] = runs
+        assert r.placement == "overlap" and r.model == "moe" and r.steps == check.OVERLAP_STEPS
+        assert "--overlap 1" in " ".join(r.cmd) and f"--steps {check.OVERLAP_STEPS} " in " ".join(r.cmd)
+        assert check.engine_count(r) == (2 if n >= 3 else 1) and len(r.gpus) == (3 if n >= 3 else 2)
+        assert i == len(phases) - 1
+        if n in (5, 8):  # the routing pair's phase leaves 3 GPUs idle
+            assert r.gpus == ["2", "3", "4"] and len(phases[i]) == 3
+        else:
+            assert r.gpus == [str(g) for g in range(len(r.gpus))] and phases[i] == [r]
 
 
 # train.py's checks of each command's flags, in one process (train.py's imports take most of a run): every
@@ -186,35 +254,41 @@ ACCEPTS = """if True:
         for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK"):
             os.environ.pop(key, None)
         os.environ.update(env)
-        out, err, error = io.StringIO(), io.StringIO(), None
+        out, err, error, cfg = io.StringIO(), io.StringIO(), None, None
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                train.main(train.parse_config(flags + ["--plan", "true"]))
+                cfg = train.parse_config(flags + ["--plan", "true"])
+                train.main(cfg)  # places the engines: cfg.rollout_replicas as the run would have it
         except (ValueError, FileNotFoundError) as e:
             error = str(e)
         except SystemExit as e:  # argparse refused a flag
             error = f"exit {e.code}: {err.getvalue()}"
-        print(json.dumps({"label": label, "stdout": out.getvalue(), "error": error}), flush=True)
+        print(json.dumps({"label": label, "stdout": out.getvalue(), "error": error,
+                          "replicas": cfg and cfg.rollout_replicas, "overlap": cfg and cfg.overlap}), flush=True)
 """
 
 
 def test_train_accepts_the_commands(tmp_path):
     """Every kind of run the check starts (colocated, split, fsdp packed, fsdp with SP 2 and the optimizer
-    offloaded, the routing pair) passes train.py's checks of its flags against the check's models: train.py
-    --plan with them, as torchrun's rank 0 for the fsdp ones. A flag train.py refuses shows here, not on a GPU
-    machine. The pair's flags on a CPU: refused with vLLM (its routed experts need the GPU build), accepted with
-    the transformers engine."""
+    offloaded, the routing pair, the overlap run with one engine and with two replicas) passes train.py's checks
+    of its flags against the check's models: train.py --plan with them, as torchrun's rank 0 for the fsdp ones,
+    and train.py makes as many engines of them as engine_count says (--rollout-replicas derived). A flag
+    train.py refuses shows here, not on a GPU machine. The pair's flags on a CPU: refused with vLLM (its routed
+    experts need the GPU build), accepted with the transformers engine."""
     check.make_models(str(tmp_path), ["moe"])
     check.make_data(str(tmp_path / "data.jsonl"))
-    runs = {(r.placement, r.variant): r for n in (1, 2, 4) for phase in check.plan_runs(
-        [str(i) for i in range(n)], str(tmp_path)) for r in phase}
-    assert set(runs) == {("colocated", "packed"), ("split", "unpacked"), ("fsdp", "packed"),
-                         ("fsdp", "sp2_offload"), ("colocated", "replay"), ("colocated", "record")}
+    runs = {}
+    for n in (1, 2, 3, 4):  # the first of each kind (3 GPUs: the overlap run's replicas)
+        for r in (r for phase in check.plan_runs([str(i) for i in range(n)], str(tmp_path)) for r in phase):
+            runs.setdefault((r.placement, r.variant, check.engine_count(r)), r)
+    assert set(runs) == {("colocated", "packed", 1), ("split", "unpacked", 1), ("fsdp", "packed", 1),
+                         ("fsdp", "sp2_offload", 1), ("colocated", "replay", 1), ("colocated", "record", 1),
+                         ("overlap", "overlap", 1), ("overlap", "overlap", 2)}
     commands = []
-    for (name, variant), r in runs.items():
+    for (name, variant, engines), r in runs.items():
         env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0"} if name == "fsdp" else {}
-        commands.append((f"{name}/{variant}", env, r.cmd[r.cmd.index("train.py") + 1:]))
-    replay = runs["colocated", "replay"].cmd
+        commands.append((f"{name}/{variant}/{engines}", env, r.cmd[r.cmd.index("train.py") + 1:]))
+    replay = runs["colocated", "replay", 1].cmd
     replay = replay[replay.index("train.py") + 1:]
 
     def on_cpu(flags, engine):  # sdpa: varlen is a GPU kernel
@@ -224,17 +298,18 @@ def test_train_accepts_the_commands(tmp_path):
         return out
 
     commands += [("cpu/vllm", {}, on_cpu(replay, "vllm")), ("cpu/hf", {}, on_cpu(replay, "hf"))]
-    env = {**os.environ, **runs["colocated", "packed"].env, "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, **runs["colocated", "packed", 1].env, "CUDA_VISIBLE_DEVICES": ""}
     (tmp_path / "commands.json").write_text(json.dumps(commands))
     proc = run([sys.executable, "-c", ACCEPTS, str(tmp_path / "commands.json")], timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = {rec["label"]: rec for rec in map(json.loads, proc.stdout.strip().splitlines())}
     assert list(got) == [label for label, _, _ in commands]
-    for (name, variant), r in runs.items():
-        rec = got[f"{name}/{variant}"]
-        assert rec["error"] is None, f"{name}/{variant}: {rec['error']}"
+    for (name, variant, engines), r in runs.items():
+        rec = got[f"{name}/{variant}/{engines}"]
+        assert rec["error"] is None, f"{name}/{variant}/{engines}: {rec['error']}"
         sp, offload = check.VARIANTS[variant]["--sp"], check.VARIANTS[variant]["--offload-optimizer"]
         assert f"--sp {sp}, --offload-optimizer {offload}" in rec["stdout"], rec["stdout"][:500]
+        assert rec["replicas"] == engines and rec["overlap"] == int(check.VARIANTS[variant]["--overlap"])
     refused = "its CPU build lacks; on CPU use --engine hf" if importlib.util.find_spec("vllm") else \
         "vLLM is not installed"
     assert refused in (got["cpu/vllm"]["error"] or ""), got["cpu/vllm"]
@@ -242,13 +317,18 @@ def test_train_accepts_the_commands(tmp_path):
 
 
 def routing_run(tmp_path, variant: str, recs: list[dict]) -> dict:
-    """result()'s line for a routing-pair run that exited 0 having written `recs` to metrics.jsonl, with a
+    """result()'s line for a routing-pair run that exited 0 having written `recs` to metrics.jsonl (finished_run)."""
+    work = str(tmp_path / variant)
+    return finished_run(check.make_run("colocated", "moe", ["0"], ["train.py"], variant, work, sys.executable,
+                                       check.ROUTING_STEPS), recs)
+
+
+def finished_run(r, recs: list[dict]) -> dict:
+    """result()'s line for the run `r` (check.Run) that exited 0 having written `recs` to metrics.jsonl, with a
     stand-in model (one weight) released in the cache and moved by 1e-3 in its last checkpoint."""
     import torch
     from safetensors.torch import save_file
-    work = str(tmp_path / variant)
-    r = check.make_run("colocated", "moe", ["0"], ["train.py"], variant, work, sys.executable, check.ROUTING_STEPS)
-    repo = os.path.join(r.env["HF_HOME"], "hub", "models--" + check.HUB["moe"].replace("/", "--"))
+    repo = os.path.join(r.env["HF_HOME"], "hub", "models--" + check.HUB[r.model].replace("/", "--"))
     os.makedirs(os.path.join(repo, "snapshots", "c0"))
     os.makedirs(os.path.join(repo, "refs"))
     with open(os.path.join(repo, "refs", "main"), "w") as f:
@@ -309,6 +389,62 @@ def test_routing_comparison(tmp_path):
     assert not missing["ok"] and "rollout/routing_mismatch missing from the replay run" in missing["error"]
     assert check.routing_unmeasured([gap(1, 0.1, None), gap(2, None, None)], "rollout/engine_kl") == \
         "rollout/routing_mismatch was never measured after a weight sync (null)"
+
+
+def overlap_rec(step: int, lag, idle=0.1, wait=0.5) -> dict:
+    """An overlap run's step record: the gap measured, its engine_lag, and (when not None) its replica_idle."""
+    rec = {k: v for k, v in gap(step, None, 1e-4).items() if k != "rollout/routing_mismatch"}
+    rec.update({check.OVERLAP_LAG: lag, check.ENGINE_WAIT: wait, "time/step_s": 2.0, "time/rollout_s": 1.0})
+    if idle is not None:
+        rec[check.REPLICA_IDLE] = idle
+    return rec
+
+
+def overlap_result(tmp_path, n: int, recs: list[dict]) -> dict:
+    """result()'s line for the overlap run of `n` GPUs that exited 0 having written `recs` (finished_run)."""
+    used, launcher = check.overlap_placement(n)
+    return finished_run(check.make_run("overlap", "moe", [str(g) for g in range(used)], launcher, "overlap",
+                                       str(tmp_path), sys.executable, check.OVERLAP_STEPS), recs)
+
+
+def test_overlap_criteria(tmp_path):
+    """The overlap run passes with engine_lag 0 on step 1 and 1 after it and, with replicas, replica_idle in
+    [0, 1) on every step; its line has the largest lag, the mean engine wait and replica_idle and the step time,
+    and the summary repeats them (or says there was no overlap run). It fails on a lag of 2 (tokens two
+    versions old), on a lag never 1 (nothing decoded during an update was trained) or missing, and, with
+    replicas, on a step without replica_idle or with one outside [0, 1); one engine needs none."""
+    good = overlap_result(tmp_path / "good", 3, [overlap_rec(1, 0, 0.1, 0.2), overlap_rec(2, 1, 0.2, 0.4),
+                                                 overlap_rec(3, 1, 0.3, 0.6)])
+    assert good["ok"], good["error"]
+    assert good["flags"]["--overlap"] == "1" and good["step_s"] == 2.0
+    assert good["overlap"] == pytest.approx({"replicas": 2, "engine_lag_max": 1, "engine_wait_s": 0.4,
+                                             "replica_idle": 0.2})
+    summary = check.summarize_overlap([{"variant": "packed", "ok": True}, good])
+    assert summary == {"ran": True, "ok": True, **good["overlap"], "step_s": 2.0}
+    none = check.summarize_overlap([{"variant": "packed", "ok": True}])
+    assert none["ran"] is False and "GPUs of its own" in none["why"]
+
+    stale = overlap_result(tmp_path / "stale", 3, [overlap_rec(1, 0), overlap_rec(2, 1), overlap_rec(3, 2)])
+    assert not stale["ok"] and "staleness/engine_lag over 1 (2 at step 3)" in stale["error"]
+    assert stale["overlap"]["engine_lag_max"] == 2
+    never = overlap_result(tmp_path / "never", 3, [overlap_rec(i, 0) for i in (1, 2, 3)])
+    assert not never["ok"] and "staleness/engine_lag never 1 after step 1" in never["error"]
+    absent = overlap_result(tmp_path / "absent", 3, [
+        {k: v for k, v in overlap_rec(i, 1).items() if k != check.OVERLAP_LAG} for i in (1, 2, 3)])
+    assert not absent["ok"] and "no staleness/engine_lag in the records of steps [1, 2, 3]" in absent["error"]
+    assert absent["overlap"]["engine_lag_max"] is None
+
+    idle_missing = overlap_result(tmp_path / "idle_missing", 3, [overlap_rec(1, 0), overlap_rec(2, 1, idle=None),
+                                                                 overlap_rec(3, 1)])
+    assert not idle_missing["ok"]
+    assert "no rollout/replica_idle in the records of steps [2] (2 replicas)" in idle_missing["error"]
+    idle_full = overlap_result(tmp_path / "idle_full", 3, [overlap_rec(1, 0), overlap_rec(2, 1, idle=1.0),
+                                                           overlap_rec(3, 1)])
+    assert not idle_full["ok"] and "rollout/replica_idle outside [0, 1): 1 at step 2" in idle_full["error"]
+    one = overlap_result(tmp_path / "one", 2, [overlap_rec(1, 0, None), overlap_rec(2, 1, None),
+                                               overlap_rec(3, 1, None)])
+    assert one["ok"], one["error"]
+    assert one["overlap"]["replicas"] == 1 and one["overlap"]["replica_idle"] is None
 
 
 def test_kernel_comparison_on_cpu():

@@ -62,6 +62,8 @@ def test_placement_refusals_and_explicit_gpus(capsys):
                          32, 4, vllm=True)
     with pytest.raises(ValueError, match=r"3 GPUs are not a whole number of engines of tensor-parallel size 2"):
         engine_placement(gpu_cfg("--rollout-gpus", "5,6,7", "--rollout-tp", "2"), 8, 5, 32, 4, vllm=True)
+    with pytest.raises(ValueError, match=r"1 GPUs are not 2 engine\(s\) of one size"):  # a plan, no GPUs
+        engine_placement(gpu_cfg("--rollout-gpus", "1", "--rollout-replicas", "2"), 0, 1, 32, 4, vllm=True)
     for flags, why in ((["--rollout-replicas", "2"], "replicas are vLLM engines; add --engine vllm"),
                        (["--rollout-replicas", "2", "--engine", "vllm", "--device", "cuda", "--plan"],
                         "on GPU the replicas need GPUs of their own")):

@@ -23,6 +23,10 @@ Placements of the training runs, by the number N of GPUs used (those visible; --
   colocated  N = 1: one trainer process, vLLM on the same GPU, asleep during the update; CUDA IPC.
              Checks sleep/wake and IPC sync with a long-context KV cache beside the trainer. Packed rows
              through the varlen kernel (a one-GPU machine trains as the preset does).
+  overlap    the overlap run alone (see below), N >= 2: one trainer process on cuda:0 with --overlap 1, and on
+             GPUs of their own two data-parallel vLLM engines of TP 1 on cuda:1,2 (N >= 3: --rollout-gpus 1,2
+             --rollout-tp 1, which train.py makes --rollout-replicas 2) or one on cuda:1 (N = 2); NCCL. Packed
+             rows through the varlen kernel. None on N = 1: --overlap refuses an engine on the trainer's GPU.
 The MoE model runs in N's placement. The dense model (tied embeddings) runs only where it costs no time: on
 the GPUs that placement leaves idle (N >= 5), at the same time, in the spare count's placement.
 
@@ -32,7 +36,7 @@ between all-to-alls) and --offload-optimizer true (FSDP2's CPUOffloadPolicy: mas
 host memory). Checks that the all-to-alls, the group's sums and the host-memory optimizer train as the first
 phase does, and what they cost in step time against what they save in GPU memory.
 
-Last, rollout routing replay: the MoE model's colocated run, shorter (ROUTING_STEPS steps), twice, with
+Then rollout routing replay: the MoE model's colocated run, shorter (ROUTING_STEPS steps), twice, with
 --routing-replay true (vLLM returns every token's experts, through its V2 model runner; the trainer's forwards
 use them) and --routing-replay record (the same routing kept and compared, never replayed: the baseline without
 replay, its mismatch still measured). Colocated is the placement every GPU count has, so the comparison is the
@@ -43,22 +47,38 @@ decisions where the trainer's router picks other experts than the engine's), rol
 rollout/logprob_diff_max; the summary has them side by side, and the comparison fails when either run does,
 when the mismatch was not measured, or when replay's engine_kl is over REPLAY_KL_RATIO times record's.
 
+Last, the overlap run: the MoE model in the overlap placement, OVERLAP_STEPS steps, with --overlap 1 (while the
+trainer updates, the engine decodes the next step's first segment round with the weights before the update, so
+those tokens are one version old; the trainer collects that round before the weight sync). Checks rollout
+overlapped with training on GPUs, and on 3+ GPUs engine replicas (each round's samples split over two engines,
+every weight sync reaching both). Its GPUs' count is set by N alone (3 on N >= 3, 2 on N = 2), so that every
+machine that can run replicas does; it runs in the last phase when that leaves as many GPUs idle (N = 5, 8: no
+time added), else in a phase of its own after it (N = 2-4, 6-7). Besides the common criteria (below) it passes
+when staleness/engine_lag (in every step's record: how many versions behind the trainer's the weights that
+decoded the step's rounds were) is at most 1 on every step and 1 on a step after the first (step 1 decodes all
+its rounds itself), and with replicas when rollout/replica_idle (the share of the replicas' time spent waiting
+for the slowest) is in every step's record and in [0, 1). Its line has the largest engine_lag, the mean
+time/engine_wait_s (how long the trainer waited for the engine's round after its update) and the mean
+replica_idle beside its step_s; the summary repeats them, or says why there was no overlap run.
+
 Every run has the headline's shape: a random qwen3_moe with 64 experts and top-8 routing, loaded by a hub
 name (ulorl-check/moe64) from a Hugging Face cache this script builds (HF_HUB_OFFLINE=1); YaRN over 8192
 positions x 4 = 32768, the engine's max_model_len (64 prompt + 32704 response tokens in 64 segments);
 bf16; --preset ulorl with every value the run depends on passed as a flag; the engine/trainer gap check
 (the KL between their log-probs on freshly sampled tokens) at its defaults. A run passes when train.py exits 0 (it stops itself when the check fails), the gap was
-measured after a weight sync and stayed under the default stop threshold, and training moved the weights.
+measured after a weight sync and stayed under the default stop threshold, and training moved the weights (the
+routing pair and the overlap run have criteria of their own on top).
 
 Prints the kernel check's JSON line, then one per run (gap statistics, sync seconds, tokens/s, seconds a step
 and of it outside rollout and sync, peak MiB per GPU, seconds to the first step, how far the weights moved),
-then a summary line (the routing-replay comparison in it); exits 1 when the kernel check, a run or the
-comparison fails.
+then a summary line (the routing-replay comparison and the overlap run's figures in it); exits 1 when the
+kernel check, a run or the comparison fails.
 
-    bash tests/gpu/check.sh                       # every visible GPU; needs vllm==0.32.0; on 4+ GPUs two phases
-                                                  # and the routing pair, up to ~25 minutes (--timeout 540 a run)
+    bash tests/gpu/check.sh                       # every visible GPU; needs vllm==0.32.0; on 4+ GPUs 3 phases
+                                                  # (4 on 4 GPUs), the routing pair and the overlap run among them:
+                                                  # up to ~30 minutes (--timeout 540 a run)
     bash tests/gpu/check.sh --gpus 1              # the colocated placement alone, then the routing-replay pair one
-                                                  # after the other: under 15 minutes (--timeout 540 a run)
+                                                  # after the other, no overlap run: under 15 minutes
     bash tests/gpu/check.sh --dry-run --gpus 8    # the commands for 8 GPUs, one a line; no GPU, no models
     bash tests/gpu/check.sh --kernel              # the kernel check alone (one GPU, seconds)
 """
@@ -92,20 +112,22 @@ PROMPT_LEN, RESPONSE_LEN, SEGMENTS = 64, 32704, 64  # 64 + 32704 = 32768: a samp
 TEMPERATURE, LR, STEPS = 0.85, 1e-5, 4  # at 1e-4 one AdamW step reshapes a random model
 MEAN_LEN = 256  # eos_bias sets P(EOS) ~ 1/MEAN_LEN a token: responses of ~MEAN_LEN tokens on average, geometric
 GAP_KEYS = ("rollout/engine_kl", "rollout/logprob_diff_mean", "rollout/logprob_diff_p99", "rollout/logprob_diff_max")
-# The trainer's rows, parallelism and routing, by variant (always given: the ulorl preset leaves --sp and
-# --offload-optimizer to the memory plan). "unpacked": padded rows through sdpa (split). "packed": packed
+# The trainer's rows, parallelism, routing and overlap, by variant (always given: the ulorl preset leaves --sp
+# and --offload-optimizer to the memory plan). "unpacked": padded rows through sdpa (split). "packed": packed
 # rows through the varlen kernel, as the preset trains (fsdp, colocated). "sp2_offload": that with Ulysses sequence parallelism
 # over the two trainer ranks and FSDP2's optimizer offload (fsdp, second phase). "replay" and "record": packed,
 # with the engine's experts replayed in the trainer's forwards, or only kept and compared (the routing pair).
+# "overlap": packed, with the next step's first round decoded during the update (the overlap run).
 PACKED = {"--pack": "true", "--attn-implementation": "varlen", "--sp": "1", "--offload-optimizer": "false"}
 VARIANTS = {
     "unpacked": {"--pack": "false", "--attn-implementation": "sdpa", "--sp": "1", "--offload-optimizer": "false",
-                 "--routing-replay": "false"},
-    "packed": {**PACKED, "--routing-replay": "false"},
+                 "--routing-replay": "false", "--overlap": "0"},
+    "packed": {**PACKED, "--routing-replay": "false", "--overlap": "0"},
     "sp2_offload": {"--pack": "true", "--attn-implementation": "varlen", "--sp": "2", "--offload-optimizer": "true",
-                    "--routing-replay": "false"},
-    "replay": {**PACKED, "--routing-replay": "true"},
-    "record": {**PACKED, "--routing-replay": "record"},
+                    "--routing-replay": "false", "--overlap": "0"},
+    "replay": {**PACKED, "--routing-replay": "true", "--overlap": "0"},
+    "record": {**PACKED, "--routing-replay": "record", "--overlap": "0"},
+    "overlap": {**PACKED, "--routing-replay": "false", "--overlap": "1"},
 }
 # The routing pair: its variants (replay first), its steps (step 1 on the weights both engine and trainer loaded,
 # the others after a weight sync: the routing the engine returns must follow the synced weights) and what its
@@ -122,6 +144,12 @@ ROUTING_KEYS = ("rollout/routing_mismatch", "rollout/engine_kl", "rollout/logpro
 # or a sample) give a random model's MLP output on those tokens, a KL many times record's. Below the floor
 # (ulorl.KL_FLOOR, bf16 noise's reach on a small model) both are noise, and their ratio says nothing.
 REPLAY_KL_RATIO, REPLAY_KL_FLOOR = 2.0, 5e-5
+# The overlap run's steps: step 1 decodes all its rounds itself (engine_lag 0); steps 2 and 3 begin with the round
+# decoded during the update before them, one version old (engine_lag 1), and decode their other rounds with the
+# weights synced after that update (the tokens the gap check measures). Then the step records' metrics its
+# criteria and figures read: the lag, the trainer's wait for that round, the replicas' idle share.
+OVERLAP_STEPS = 3
+OVERLAP_LAG, ENGINE_WAIT, REPLICA_IDLE = "staleness/engine_lag", "time/engine_wait_s", "rollout/replica_idle"
 
 
 # ----------------------------------------------------------------------------- placements and commands
@@ -182,7 +210,7 @@ def plan_runs(visible: list[str], work: str, python: str = sys.executable) -> li
     Phase 1: the MoE model in their count's placement, the dense model in the placement of those left idle, if
     any; their GPUs never overlap, so they run at the same time. Phase 2, where phase 1 has fsdp runs: those
     again on the same GPUs with sequence parallelism and the optimizer in host memory (sp2_offload). Then the
-    routing pair (routing_pair)."""
+    routing pair (routing_pair), then the overlap run (overlap_run)."""
     first, free = [], list(visible)
     for model in ("moe", "dense"):
         if not free:
@@ -192,7 +220,8 @@ def plan_runs(visible: list[str], work: str, python: str = sys.executable) -> li
         first.append(make_run(name, model, gpus, launcher, "unpacked" if name == "split" else "packed", work, python))
     second = [make_run(r.placement, r.model, r.gpus, placement(len(r.gpus))[2], "sp2_offload", work, python)
               for r in first if r.placement == "fsdp"]
-    return routing_pair([first, second] if second else [first], visible, work, python)
+    phases = routing_pair([first, second] if second else [first], visible, work, python)
+    return overlap_run(phases, visible, work, python)
 
 
 def routing_pair(phases: list[list[Run]], visible: list[str], work: str, python: str) -> list[list[Run]]:
@@ -212,6 +241,46 @@ def routing_pair(phases: list[list[Run]], visible: list[str], work: str, python:
     if len(visible) >= 2:
         return phases + [pair(visible)]
     return phases + [[r] for r in pair(visible * len(ROUTING_VARIANTS))]
+
+
+def overlap_placement(n: int) -> tuple[int, list[str]] | None:
+    """(GPUs used, trainer launcher + placement flags) of the overlap run on `n` GPUs: one trainer process on
+    the first, the engines on the next: two replicas of TP 1 (train.py derives --rollout-replicas 2 from
+    --rollout-gpus and --rollout-tp) when n >= 3, one engine when n = 2. None on one GPU: --overlap needs the
+    engine on GPUs of its own (a colocated one sleeps through the update)."""
+    if n < 2:
+        return None
+    used = 3 if n >= 3 else 2
+    return used, ["train.py", "--rollout-gpus", ",".join(str(g) for g in range(1, used)), "--rollout-tp", "1"]
+
+
+def overlap_run(phases: list[list[Run]], visible: list[str], work: str, python: str) -> list[list[Run]]:
+    """`phases` with the overlap run added where it costs least: the MoE model in overlap_placement, with
+    --overlap 1, OVERLAP_STEPS steps. Its GPU count follows `visible` alone (so replicas run wherever 3 GPUs
+    are); it goes in the last phase when that leaves as many of `visible` idle, else in a phase of its own after
+    it. `phases` unchanged on one GPU."""
+    plan = overlap_placement(len(visible))
+    if plan is None:
+        return phases
+    used, launcher = plan
+    busy = {g for r in phases[-1] for g in r.gpus}
+    idle = [g for g in visible if g not in busy]
+
+    def run(gpus):
+        return make_run("overlap", "moe", gpus, launcher, "overlap", work, python, OVERLAP_STEPS)
+
+    if len(idle) >= used:
+        return phases[:-1] + [phases[-1] + [run(idle[:used])]]
+    return phases + [[run(visible[:used])]]
+
+
+def engine_count(run: Run) -> int:
+    """How many vLLM engines a run starts: its --rollout-gpus over its --rollout-tp (as train.py derives
+    --rollout-replicas), 1 without --rollout-gpus (colocated)."""
+    if "--rollout-gpus" not in run.cmd:
+        return 1
+    gpus = len(run.cmd[run.cmd.index("--rollout-gpus") + 1].split(","))
+    return gpus // int(run.cmd[run.cmd.index("--rollout-tp") + 1]) if "--rollout-tp" in run.cmd else 1
 
 
 def make_run(name: str, model: str, gpus: list[str], launcher: list[str], variant: str, work: str,
@@ -454,6 +523,12 @@ def result(run: Run, rc: int, timed_out: bool, first_step_s, peaks: dict, wall: 
     if run.variant in ROUTING_VARIANTS:  # the pair's figures: mean and largest over the steps that measured them
         out["routing"] = {k: {"mean": sum(values(k)) / len(values(k)), "max": max(values(k)), "steps": len(values(k))}
                           if values(k) else None for k in ROUTING_KEYS}
+    replicas = engine_count(run)
+    if run.variant == "overlap":  # over the steps that logged them; None where none did
+        waits, idles = values(ENGINE_WAIT), values(REPLICA_IDLE)
+        out["overlap"] = {"replicas": replicas, "engine_lag_max": max(values(OVERLAP_LAG), default=None),
+                          "engine_wait_s": round(sum(waits) / len(waits), 3) if waits else None,
+                          "replica_idle": round(sum(idles) / len(idles), 3) if idles else None}
     with open(os.path.join(run.out, "stderr.log"), errors="replace") as f:
         tail = f.read()[-3000:]
     if timed_out:
@@ -476,6 +551,10 @@ def result(run: Run, rc: int, timed_out: bool, first_step_s, peaks: dict, wall: 
             out["error"] = f"{key} {gaps[key]:.3g} over the default stop threshold {limit}"
         elif run.variant in ROUTING_VARIANTS and (why := routing_unmeasured(recs, key)):
             out["error"] = why
+        elif run.variant == "overlap" and (why := overlap_unmet(recs)):
+            out["error"] = why
+        elif replicas > 1 and (why := replicas_unmet(recs, replicas)):
+            out["error"] = why
         else:
             out["ok"] = True
     return out
@@ -493,6 +572,39 @@ def routing_unmeasured(recs: list[dict], gap_key: str) -> str | None:
     if not any(r[key] is not None for r in recs if r["step"] >= 2):
         return f"{key} was never measured after a weight sync (null)"
     return None
+
+
+def overlap_unmet(recs: list[dict]) -> str | None:
+    """Why the step records `recs` of the overlap run fail its criteria, or None: staleness/engine_lag in every
+    step's record (train.py logs it under --overlap), never over 1 (one round in flight: its tokens one version
+    old), and 1 on a step after the first (the round decoded during an update was trained)."""
+    if absent := [r["step"] for r in recs if not isinstance(r.get(OVERLAP_LAG), (int, float))]:
+        return f"no {OVERLAP_LAG} in the records of steps {absent}: the run did not overlap"
+    if over := [f"{r[OVERLAP_LAG]} at step {r['step']}" for r in recs if r[OVERLAP_LAG] > 1]:
+        return f"{OVERLAP_LAG} over 1 ({', '.join(over)}): tokens more than one version old were trained"
+    if not any(r[OVERLAP_LAG] == 1 for r in recs if r["step"] >= 2):
+        return f"{OVERLAP_LAG} never 1 after step 1: no round decoded during an update was trained"
+    return None
+
+
+def replicas_unmet(recs: list[dict], replicas: int) -> str | None:
+    """Why the step records `recs` of a run with `replicas` engines lack a right rollout/replica_idle, or None:
+    train.py logs it on every step with 2+ replicas, the share of their time spent waiting for the slowest,
+    in [0, 1) (the slowest never waits)."""
+    if absent := [r["step"] for r in recs if not isinstance(r.get(REPLICA_IDLE), (int, float))]:
+        return f"no {REPLICA_IDLE} in the records of steps {absent} ({replicas} replicas)"
+    if bad := [f"{r[REPLICA_IDLE]:.3g} at step {r['step']}" for r in recs if not 0 <= r[REPLICA_IDLE] < 1]:
+        return f"{REPLICA_IDLE} outside [0, 1): {', '.join(bad)}"
+    return None
+
+
+def summarize_overlap(results: list[dict]) -> dict:
+    """The summary's view of the overlap run (results' lines): ok, its figures and step_s; or that there was
+    none (one GPU)."""
+    run = next((r for r in results if r["variant"] == "overlap"), None)
+    if run is None:
+        return {"ran": False, "why": "--overlap needs the engine on GPUs of its own: 2 or more GPUs"}
+    return {"ran": True, "ok": run["ok"], **(run.get("overlap") or {}), "step_s": run.get("step_s")}
 
 
 def compare_routing(results: list[dict]) -> dict | None:
@@ -711,6 +823,8 @@ def main() -> int:
             print(f"# phase {i}{after}: {len(phase)} run(s) at the same time, on GPUs of their own")
             for run in phase:
                 print(shell_line(run.env, run.cmd))
+        if overlap_placement(len(visible)) is None:
+            print("# no overlap run: --overlap needs the engine on GPUs of its own (2 or more GPUs)")
         return 0
     import torch
     detected = torch.cuda.device_count()
@@ -742,7 +856,7 @@ def main() -> int:
         (["routing_replay"] if routing and not routing["ok"] else [])
     print(json.dumps({"check": "gpu", "gpus": len(visible), "name": torch.cuda.get_device_name(0),
                       "ok": not failed, "failed": failed, "runs": len(results), "phases": len(phases),
-                      "routing_replay": routing,
+                      "routing_replay": routing, "overlap": summarize_overlap(results),
                       "kernel_s": round(t1 - t0, 1), "build_s": round(build_s, 1),
                       "wall_s": round(time.time() - t0, 1), "work": work}), flush=True)
     return 1 if failed else 0
