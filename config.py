@@ -200,10 +200,11 @@ class Config:
     on_engine_kl: str = flag("stop", "stop (before the update) or warn when the engine/trainer KL check fails: a "
                                      "wrong engine silently trains on garbage", choices=["stop", "warn"])
     overlap: int = flag(0, "rollout overlapped with training: the engine (in a process of its own: --engine vllm, on "
-                           "--rollout-gpus on GPU) decodes the next step's first segment round with the current "
-                           "weights while the trainers update, so those tokens are one version old "
-                           "(staleness/engine_lag; POIS/SAIS correct them as any older segment's); 0 = off",
-                        ok=(lambda v: v in (0, 1), "must be 0 (off) or 1 (one round in flight)"))
+                           "--rollout-gpus on GPU) decodes the next step's whole rollout with the current weights while "
+                           "the trainers update them, so every step after the first trains tokens one version old "
+                           "(staleness/engine_lag; SAIS corrects them with their own behaviour log-probs, POIS "
+                           "trains them as on-policy); 0 = off",
+                        ok=(lambda v: v in (0, 1), "must be 0 (off) or 1 (one step's rollout in flight)"))
     routing_replay: str = flag("false", "Mixture-of-Experts models: the engine returns the experts each layer "
                                         "routed every token to (uint8 ids, kept with the samples and checkpoints) "
                                         "and the trainer's forwards use them, with gate weights from its own router "

@@ -16,8 +16,8 @@ One step, in paper order (ulorl.py maps every paper component to its function):
        sampling); repeat until `--train-groups` of them are ready
   5-6. ulorl.update: old log-probs (POIS recomputes them), reference log-probs (KL), entropy and the DMMPT
        mask; the clipped token-level loss (loss.py) with one global token count per optimizer step
-  7.   sync the new weights to the engine (--overlap 1: the engine decoded the next step's first round during
-       5-6, on the weights before them; that round is collected first)
+  7.   sync the new weights to the engine (--overlap 1: the engine decoded the next step's rollout, steps 1-4,
+       during 5-6, on the weights before them; it ends first)
   8.   log one line + metrics.jsonl; evaluate; checkpoint
 """
 import dataclasses
@@ -45,7 +45,7 @@ import sandbox
 import ulorl
 from config import Config, engine_placement, parse_config, tensor_parallel_sizes
 from engine import Sampling, engine_kind, make_engine
-from segment_rollout import Pools, Sample, begin_round, decode, end_round, rollout_step
+from segment_rollout import Pools, Sample, rollout_step
 from ulorl import RunState
 
 
@@ -202,21 +202,15 @@ class EngineFailure(RuntimeError):
 
 
 def rollout_until_ready(engine, pools: Pools, rows, state: RunState, tokenizer, sampling: Sampling, cfg: Config,
-                        record: dict, judge: reward.Judge | None, too_long: set) -> list[Sample]:
+                        record: dict, rewards: list, judge: reward.Judge | None, too_long: set, version: int) -> None:
     """Steps 1-4: rollout rounds until `--train-groups` informative complete groups are ready (at least one
-    round per step, so unfinished samples always advance; under --overlap the first is the round decoded
-    during the last update). Returns every sample rewarded on the way; adds the rollout's counts to `record`,
-    the step's metrics.jsonl record.
+    round per step, so unfinished samples always advance), decoded by the engine's weights, policy version
+    `version`. Adds the rollout's counts to `record`, the step's metrics.jsonl record, and (verifier, reward)
+    of every sample rewarded on the way to `rewards`.
     `too_long`: rows known to exceed --max-prompt-len (data.draw_prompts skips them untokenized)."""
-    scored = []
     while record["rollout/rounds"] == 0 or len(state.ready) < cfg.train_groups:
-        if state.prefetched:  # decoded by older weights while the trainer updated (--overlap)
-            r, state.prefetched = state.prefetched, {}
-        else:
-            r = run_round(engine, pools, draw_groups(pools, rows, state, tokenizer, cfg, too_long, record), state,
-                          sampling, cfg)
-        if cfg.overlap:  # how many versions behind the trainer's the weights that decoded this step's rounds were
-            record["staleness/engine_lag"] = max(record.get("staleness/engine_lag", 0), state.version - r["version"])
+        r = run_round(engine, pools, draw_groups(pools, rows, state, tokenizer, cfg, too_long, record), version,
+                      sampling, cfg)
         record["rollout/rounds"] += 1
         record["tokens/generated"] += r["tokens/generated"]
         record["rollout/unfinished"] = r["rollout/unfinished"]
@@ -227,18 +221,23 @@ def rollout_until_ready(engine, pools: Pools, rows, state: RunState, tokenizer, 
         for k, v in reward.score_samples(samples, texts, cfg.max_response_len, cfg.overlong, cfg.overlong_buffer,
                                          cfg.reward_timeout, judge, cfg.reward_batch_timeout).items():
             record[k] = record.get(k, 0) + v
-        scored += samples
+        rewards += [(s.row["verifier"], s.reward) for s in samples]
         # 4. dynamic sampling: only informative groups wait for the update
         kept, dropped = ulorl.dynamic_sampling(complete, cfg.dynamic_sampling)
         state.ready += kept
         record["dynamic/dropped_groups"] += dropped
         if record["rollout/rounds"] > 100 * cfg.segments:
             raise RuntimeError(f"no informative group after {record['rollout/rounds']} rollouts: every group's "
-                               f"rewards were all equal (mean reward {sum(s.reward for s in scored) / max(len(scored), 1):.3f}). "
+                               f"rewards were all equal (mean reward {sum(r for _, r in rewards) / max(len(rewards), 1):.3f}). "
                                f"The task is too easy or too hard for this model; try --dynamic-sampling false")
     if hasattr(engine, "idle"):  # --rollout-replicas: the share of the replicas' time spent waiting for the slowest
         record["rollout/replica_idle"] = engine.idle()
-    return scored
+
+
+def new_record(pools: Pools) -> dict:
+    """A step's metrics.jsonl record, before its rollout: counts it adds to."""
+    return {"reward/timeouts": 0, "reward/errors": 0, "rollout/rounds": 0, "tokens/generated": 0,
+            "dynamic/dropped_groups": 0, "rollout/unfinished": len(pools.unfinished)}
 
 
 def draw_groups(pools: Pools, rows, state: RunState, tokenizer, cfg: Config, too_long: set, record: dict) -> list:
@@ -253,55 +252,77 @@ def draw_groups(pools: Pools, rows, state: RunState, tokenizer, cfg: Config, too
     return [pools.new_group(ids, row, cfg.group_size) for ids, row in prompts]
 
 
-def run_round(engine, pools: Pools, new: list, state: RunState, sampling: Sampling, cfg: Config) -> dict:
-    """1-2. Decode one segment of every unfinished and new sample and sort them into the pools; one retry (the
-    new samples already wait in the unfinished pool). Returns its counts and the version that sampled it."""
+def run_round(engine, pools: Pools, new: list, version: int, sampling: Sampling, cfg: Config) -> dict:
+    """1-2. Decode one segment of every unfinished and new sample (tokens stamped with `version`) and sort them
+    into the pools; one retry (the new samples already wait in the unfinished pool). Returns its counts."""
     segment_len = cfg.max_response_len // cfg.segments
     try:
-        r = rollout_step(engine, pools, new, segment_len, cfg.max_response_len, sampling, state.version)
+        return rollout_step(engine, pools, new, segment_len, cfg.max_response_len, sampling, version)
     except Exception as e:
         print(f"warning: the rollout engine failed ({type(e).__name__}: {e}); retrying once",
               file=sys.stderr, flush=True)
         try:
-            r = rollout_step(engine, pools, [], segment_len, cfg.max_response_len, sampling, state.version)
+            return rollout_step(engine, pools, [], segment_len, cfg.max_response_len, sampling, version)
         except Exception as e2:
             raise EngineFailure(f"the rollout engine failed twice: {type(e2).__name__}: {e2}; resume from the "
                                 f"newest checkpoint in {cfg.out} with --resume auto") from e2
-    return {**r, "version": state.version}
+
+
+PROBE_TOKENS = 16  # the gap check's probe under --overlap: a response of this many tokens from each engine
+
+
+def probe_engine(engine, groups: list[list[Sample]], version: int, step: int, sampling: Sampling,
+                 cfg: Config) -> list[Sample]:
+    """--overlap: a step whose rollout was decoded during the last update trains no token of the current weights,
+    so nothing in it measures the engine/trainer gap on them (a sync that left the engine behind would go
+    unseen). Each engine (every replica) continues the step's first prompt by a few tokens on the weights just
+    synced; the trainer compares its log-probs with theirs (ulorl.update's `probe`) and trains on none."""
+    first = groups[0][0]
+    probes = []
+    for e in getattr(engine, "engines", [engine]):  # each replica directly: the split's bookkeeping stays as it was
+        g = e.generate([first.prompt_ids], [min(PROBE_TOKENS, cfg.max_response_len)], sampling,
+                       keys=[-(1 << 40) - step])[0]  # apart from training's uids (0, 1, ...) and evaluation's (-1, ...)
+        probes.append(Sample(uid=-1, group=-1, prompt_ids=first.prompt_ids, row=first.row, tokens=g.tokens,
+                             logprobs=g.logprobs, versions=[version] * len(g.tokens), seg_starts=[0], finish="eos",
+                             reward=0.0, routing=g.routing))
+    return probes
 
 
 def prefetch(engine, pools: Pools, rows, state: RunState, tokenizer, sampling: Sampling, cfg: Config,
-             too_long: set, record: dict) -> tuple:
-    """--overlap: begin the next step's first round now, decoded by the current weights in a thread (the engine
-    works in a process of its own) while the trainers update; collect() takes it into the pools before the
-    weight sync, so new weights reach the engine between its calls, and the round is in the pools (and in any
-    checkpoint) before the step ends."""
-    batch, budgets = begin_round(pools, draw_groups(pools, rows, state, tokenizer, cfg, too_long, record),
-                                 cfg.max_response_len // cfg.segments, cfg.max_response_len)
-    out: dict = {}
+             judge: reward.Judge | None, too_long: set) -> tuple:
+    """--overlap: the next step's whole rollout (rounds, rewards, dynamic sampling) begins now in a thread,
+    decoded by the current weights while the trainers update them (the engine works in a process of its own;
+    the update reads none of what the rollout writes: the pools, the ready groups, the data cursor). collect()
+    ends it before the weight sync, so new weights reach the engine between its calls, and what it decoded is
+    in the pools and the run state (so in any checkpoint) before the step ends. It draws exactly what a
+    synchronous rollout would: its rounds depend on the weights and the pools, never on timing."""
+    ahead = {"record": new_record(pools), "rewards": [], "version": state.version}
 
     def run():
         try:
-            out["gens"] = decode(engine, batch, budgets, sampling)
+            rollout_until_ready(engine, pools, rows, state, tokenizer, sampling, cfg, ahead["record"],
+                                ahead["rewards"], judge, too_long, ahead["version"])
         except BaseException as e:  # collect() reports it on the main thread
-            out["error"] = e
+            ahead["error"] = e
 
     thread = threading.Thread(target=run, name="rollout", daemon=True)
     thread.start()
-    return batch, budgets, state.version, thread, out
+    return thread, ahead
 
 
-def collect(started: tuple, pools: Pools, cfg: Config) -> dict:
-    """The prefetched round into the pools: its counts and the version that sampled it, for the next step's
-    rollout; {} when the engine failed (its samples wait in the unfinished pool: the next step decodes them)."""
-    batch, budgets, version, thread, out = started
+def collect(started: tuple) -> dict:
+    """The prefetched rollout, ended: the next step's record so far, its rewards and the version that decoded
+    it (RunState.prefetched). An engine that failed (twice) leaves its samples in the unfinished pool: the next
+    step's own rounds continue from there."""
+    thread, ahead = started
     thread.join()
-    if "error" in out:
-        e = out["error"]
-        print(f"warning: the rollout engine failed during the update ({type(e).__name__}: {e}); the next step "
-              f"decodes the round again", file=sys.stderr, flush=True)
-        return {}
-    return {**end_round(pools, batch, budgets, out["gens"], cfg.max_response_len, version), "version": version}
+    e = ahead.pop("error", None)
+    if isinstance(e, EngineFailure):
+        print(f"warning: {e} during the update; the next step decodes its rounds itself",
+              file=sys.stderr, flush=True)
+    elif e is not None:
+        raise e
+    return ahead
 
 
 # ------------------------------------------------------------------------- models, engine, evaluation
@@ -395,15 +416,16 @@ def sync_weights(engine, lm, dtype: str, replicas: int = 1) -> None:
 
 # ----------------------------------------------------------------------------------------- logging
 
-def step_metrics(step: int, groups: list[list[Sample]], scored: list[Sample], t_roll: float, record: dict) -> dict:
+def step_metrics(step: int, groups: list[list[Sample]], rewards: list, t_roll: float, record: dict) -> dict:
     """The step's rollout numbers: rewards (per verifier too: one curve each in a mixture), lengths, speed.
-    `record` is the step's record so far (its generated-token count)."""
+    `rewards`: (verifier, reward) of every sample the step's rollout rewarded; `record` is the step's record so
+    far (its generated-token count)."""
     trained = [s for g in groups for s in g]
     out = {}
-    for v in sorted({s.row["verifier"] for s in scored}):
-        rs = [s.reward for s in scored if s.row["verifier"] == v]
+    for v in sorted({v for v, _ in rewards}):
+        rs = [r for w, r in rewards if w == v]
         out[f"reward/by_verifier/{v}"] = sum(rs) / len(rs)
-    out.update({"step": step, "reward/mean": sum(s.reward for s in scored) / len(scored) if scored else None,
+    out.update({"step": step, "reward/mean": sum(r for _, r in rewards) / len(rewards) if rewards else None,
                 "reward/trained_mean": sum(s.reward for s in trained) / len(trained),
                 "response/mean_len": sum(len(s.tokens) for s in trained) / len(trained),
                 "response/max_len": max(len(s.tokens) for s in trained),
@@ -529,17 +551,21 @@ def main(cfg: Config, engine_hook=None) -> None:
             log.record({**evaluate_before_training(engine, tokenizer, eval_rows, cfg, judge, state), **startup})
             startup = {}
     stop = stop_on_signals(lead, state)
-    step_times, too_long, gap_unchecked = [], set(), False
+    step_times, too_long = [], set()
     while state.step < cfg.steps:
         t0, step = time.time(), state.step + 1
         # the step's metrics.jsonl record: rollout counts first, then the update's, the evaluation's, timing
-        record: dict = {"reward/timeouts": 0, "reward/errors": 0, "rollout/rounds": 0, "tokens/generated": 0,
-                        "dynamic/dropped_groups": 0, "rollout/unfinished": len(pools.unfinished)}
-        groups, scored = None, []
-        if lead:  # 1-4. rollout until enough informative complete groups are ready
+        # --overlap: this step's rollout was decoded during the last update, by the weights before it
+        ahead, state.prefetched = state.prefetched, {}
+        record: dict = ahead.get("record") or new_record(pools)
+        groups, probe, rewards = None, None, ahead.get("rewards", [])
+        if lead and cfg.overlap:  # how many versions behind the trainer's the weights that decoded the rounds were
+            record["staleness/engine_lag"] = state.version - ahead.get("version", state.version)
+        if lead:  # 1-4. rollout until enough informative complete groups are ready (after a prefetched rollout
+            # only when the engine failed during it)
             try:
-                scored = rollout_until_ready(engine, pools, rows, state, tokenizer, sampling, cfg, record, judge,
-                                             too_long)
+                rollout_until_ready(engine, pools, rows, state, tokenizer, sampling, cfg, record, rewards, judge,
+                                    too_long, state.version)
             except EngineFailure:
                 if world == 1:  # under torchrun a checkpoint needs every rank: the newest periodic one resumes
                     save(os.path.join(cfg.out, f"step_{state.step:06d}"))
@@ -547,23 +573,23 @@ def main(cfg: Config, engine_hook=None) -> None:
             groups, state.ready = state.ready[:cfg.train_groups], state.ready[cfg.train_groups:]
             if cfg.is_mode == "tois":  # every trained token from the weights being updated: no group waits a step
                 record["rollout/dropped_surplus_groups"], state.ready = len(state.ready), []
+            if cfg.overlap and not any(v == state.version for g in groups for s in g for v in s.versions):
+                try:
+                    probe = probe_engine(engine, groups, state.version, step, sampling, cfg)
+                except Exception as e:  # the step trains all the same; its gap goes unmeasured (null)
+                    print(f"warning: the engine failed the gap check's probe ({type(e).__name__}: {e})",
+                          file=sys.stderr, flush=True)
         t_roll = time.time() - t0
-        inflight = prefetch(engine, pools, rows, state, tokenizer, sampling, cfg, too_long, record) \
-            if lead and cfg.overlap else None  # the next step's first round, decoded during this update
-        groups, stop_now = model_lib.broadcast((groups, stop[0] if stop else ""))
+        inflight = prefetch(engine, pools, rows, state, tokenizer, sampling, cfg, judge, too_long) \
+            if lead and cfg.overlap and step < cfg.steps else None  # the next step's rollout, during this update
+        groups, probe, stop_now = model_lib.broadcast((groups, probe, stop[0] if stop else ""))
 
         # 5-6. old/reference log-probs, DMMPT mask, the update (each rank its share)
         if lead:
             engine.pause()  # vLLM sharing the trainer's GPU sleeps meanwhile
         record.update(ulorl.update(policy, ref, opt, sched, groups, state.version, tokenizer.pad_token_id, cfg,
-                                   masters, state.engine_kl))
+                                   masters, state.engine_kl, probe))
         record.update(memory_peaks(cfg, host_before))
-        if lead and cfg.overlap and record["rollout/engine_kl"] is None and not gap_unchecked:
-            gap_unchecked = True  # said once
-            print(f"warning: step {step} trained no token of the current weights (--overlap 1: the round decoded "
-                  f"during the last update is one version old), so the engine/trainer gap check could not run "
-                  f"(rollout/engine_kl null); it runs on steps that also decode a round of their own",
-                  file=sys.stderr, flush=True)
         ulorl.count_bad_steps(record, state, cfg, warn=lead)
         if record["train/optimizer_steps"]:
             state.version += 1
@@ -572,9 +598,9 @@ def main(cfg: Config, engine_hook=None) -> None:
             record["train/ref_reset"] = 1
 
         # 7. the new weights reach the engine; unfinished samples continue under them
-        if inflight is not None:  # between engine calls: the round decoded meanwhile goes to the pools first
+        if inflight is not None:  # between engine calls: the rollout decoded meanwhile ends first
             t_wait = time.time()
-            state.prefetched = collect(inflight, pools, cfg)
+            state.prefetched = collect(inflight)
             record["time/engine_wait_s"] = time.time() - t_wait  # how long the trainer waited for the engine
         if lead:
             engine.resume()
@@ -592,7 +618,7 @@ def main(cfg: Config, engine_hook=None) -> None:
                 ulorl.reset_reference(lm, ref_lm, opt, ref)
                 record["train/ref_reset"] = 1
         if lead:
-            record.update(step_metrics(step, groups, scored, t_roll, record), **startup)
+            record.update(step_metrics(step, groups, rewards, t_roll, record), **startup)
             startup = {}
             if cfg.dump_samples:
                 log.dump_samples(groups, step, tokenizer, cfg.dump_samples)

@@ -66,8 +66,9 @@ class RunState:
     best_eval: float | None = None  # the best held-out accuracy so far (--ref-reset-on-stall)
     evals_since_best: int = 0  # evaluations since it last improved, or since the last reset
     engine_kl: list = field(default_factory=list)  # the last steps' rollout/engine_kl (engine_gap_check)
-    prefetched: dict = field(default_factory=dict)  # --overlap: the next step's first round, decoded during the
-    # last update and sorted into the pools: its counts and the policy version that sampled it ({}: none)
+    prefetched: dict = field(default_factory=dict)  # --overlap: the next step's rollout, decoded during the last
+    # update (its samples in the pools and `ready`): its record so far, its (verifier, reward) pairs and the policy
+    # version that decoded it ({}: none)
 
 
 def dynamic_sampling(groups: list[list], enabled: bool) -> tuple[list[list], int]:
@@ -293,14 +294,22 @@ def engine_gap_check(kl: float, diff_max: float, cfg, recent: list) -> None:
 
 
 def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg, masters=None,
-           recent_kl: list | None = None) -> dict:
+           recent_kl: list | None = None, probe: list | None = None) -> dict:
     """Steps 5-6 on a batch of complete, informative groups (the same batch on every rank); `version` is the
     policy version of the current weights. `policy` and `ref` are model.wrap()ped: they map a micro-batch to
     response log-probs and entropy. `cfg` is config.py's Config; `masters`: optimize's; `recent_kl`: the
-    engine/trainer KL history (RunState.engine_kl). Returns the step's training metrics."""
+    engine/trainer KL history (RunState.engine_kl); `probe`: samples the engine decoded with the current weights
+    for the engine/trainer gap check alone (--overlap, where no trained token came from them), never trained.
+    Returns the step's training metrics."""
     samples = [s for g in groups for s in g]
     minis = plan_micro_batches(samples, sample_advantages(groups), pad_id, cfg)
     stats, diff_max, gap_hist = prepare(policy, ref, minis, version, cfg)
+    if probe:  # their log-probs beside the engine's: only the gap's sums are kept
+        extra, extra_max, extra_hist = prepare(
+            policy, None, plan_micro_batches(probe, torch.zeros(len(probe)), pad_id, cfg), version, cfg)
+        for k in ("diff_sum", "diff_n", "kl_sum", "route_differ", "route_compared"):
+            stats[k] += extra[k]
+        diff_max, gap_hist = max(diff_max, extra_max), gap_hist + extra_hist
     stats, diff_max = model_lib.all_sum(stats), model_lib.all_max(diff_max)  # every rank's, before the check
     gap_hist = model_lib.all_sum_tensor(gap_hist)
     engine_kl = stats["kl_sum"] / stats["diff_n"] if stats["diff_n"] else None

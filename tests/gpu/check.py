@@ -48,8 +48,8 @@ rollout/logprob_diff_max; the summary has them side by side, and the comparison 
 when the mismatch was not measured, or when replay's engine_kl is over REPLAY_KL_RATIO times record's.
 
 Last, the overlap run: the MoE model in the overlap placement, OVERLAP_STEPS steps, with --overlap 1 (while the
-trainer updates, the engine decodes the next step's first segment round with the weights before the update, so
-those tokens are one version old; the trainer collects that round before the weight sync). Checks rollout
+trainer updates, the engine decodes the next step's rollout with the weights before the update, so its
+tokens are one version old; it ends before the weight sync). Checks rollout
 overlapped with training on GPUs, and on 3+ GPUs engine replicas (each round's samples split over two engines,
 every weight sync reaching both). Its GPUs' count is set by N alone (3 on N >= 3, 2 on N = 2), so that every
 machine that can run replicas does; it runs in the last phase when that leaves as many GPUs idle (N = 5, 8: no
@@ -117,7 +117,7 @@ GAP_KEYS = ("rollout/engine_kl", "rollout/logprob_diff_mean", "rollout/logprob_d
 # rows through the varlen kernel, as the preset trains (fsdp, colocated). "sp2_offload": that with Ulysses sequence parallelism
 # over the two trainer ranks and FSDP2's optimizer offload (fsdp, second phase). "replay" and "record": packed,
 # with the engine's experts replayed in the trainer's forwards, or only kept and compared (the routing pair).
-# "overlap": packed, with the next step's first round decoded during the update (the overlap run).
+# "overlap": packed, with the next step's rollout decoded during the update (the overlap run).
 PACKED = {"--pack": "true", "--attn-implementation": "varlen", "--sp": "1", "--offload-optimizer": "false"}
 VARIANTS = {
     "unpacked": {"--pack": "false", "--attn-implementation": "sdpa", "--sp": "1", "--offload-optimizer": "false",
@@ -576,14 +576,14 @@ def routing_unmeasured(recs: list[dict], gap_key: str) -> str | None:
 
 def overlap_unmet(recs: list[dict]) -> str | None:
     """Why the step records `recs` of the overlap run fail its criteria, or None: staleness/engine_lag in every
-    step's record (train.py logs it under --overlap), never over 1 (one round in flight: its tokens one version
-    old), and 1 on a step after the first (the round decoded during an update was trained)."""
+    step's record (train.py logs it under --overlap), never over 1 (one step's rollout in flight: its tokens one
+    version old), and 1 on a step after the first (a rollout decoded during an update was trained)."""
     if absent := [r["step"] for r in recs if not isinstance(r.get(OVERLAP_LAG), (int, float))]:
         return f"no {OVERLAP_LAG} in the records of steps {absent}: the run did not overlap"
     if over := [f"{r[OVERLAP_LAG]} at step {r['step']}" for r in recs if r[OVERLAP_LAG] > 1]:
         return f"{OVERLAP_LAG} over 1 ({', '.join(over)}): tokens more than one version old were trained"
     if not any(r[OVERLAP_LAG] == 1 for r in recs if r["step"] >= 2):
-        return f"{OVERLAP_LAG} never 1 after step 1: no round decoded during an update was trained"
+        return f"{OVERLAP_LAG} never 1 after step 1: no rollout decoded during an update was trained"
     return None
 
 
