@@ -128,6 +128,10 @@ def check_overlap(cfg: Config) -> None:
     if cfg.device.startswith("cuda") and not cfg.rollout_gpus:
         raise ValueError(f"--overlap {cfg.overlap}: the engine shares the trainer's GPU and sleeps during the update; "
                          f"give it GPUs of its own with --rollout-gpus")
+    if cfg.is_mode == "pois" and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: --overlap {cfg.overlap} with --is-mode pois trains the previous weights' tokens as if "
+              f"on-policy (reward per step falls behind); --is-mode sais corrects them with their engine log-probs",
+              file=sys.stderr, flush=True)
 
 
 def place(cfg: Config, config, local_ranks: int) -> None:

@@ -22,9 +22,9 @@ import config
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                    reason="vLLM is not installed")]
-ARGS = ["--engine", "vllm", "--overlap", "1", "--eval-data", "", "--train-groups", "4", "--prompts-per-step", "8",
-        "--max-response-len", "32", "--segments", "2", "--dump-samples", "0", "--save-every", "1", "--keep-last", "0",
-        "--lr-final", "1"]  # a constant learning rate: a run resumed to 3 steps is compared with a 3-step one
+ARGS = ["--engine", "vllm", "--overlap", "1", "--is-mode", "sais", "--eval-data", "", "--train-groups", "4",
+        "--prompts-per-step", "8", "--max-response-len", "32", "--segments", "2", "--dump-samples", "0",
+        "--save-every", "1", "--keep-last", "0", "--lr-final", "1"]  # a constant learning rate: a run resumed to 3 steps is compared with a 3-step one
 TIMING = ("time/", "memory/", "tokens/per_s", "config")
 
 

@@ -55,10 +55,10 @@ every weight sync reaching both). Its GPUs' count is set by N alone (3 on N >= 3
 machine that can run replicas does; it runs in the last phase when that leaves as many GPUs idle (N = 5, 8: no
 time added), else in a phase of its own after it (N = 2-4, 6-7). Besides the common criteria (below) it passes
 when staleness/engine_lag (in every step's record: how many versions behind the trainer's the weights that
-decoded the step's rounds were) is at most 1 on every step and 1 on a step after the first (step 1 decodes all
-its rounds itself), and with replicas when rollout/replica_idle (the share of the replicas' time spent waiting
+decoded the step's rounds were) is at most 1 on every step and 1 on a step after the first (step 1 decodes its
+rollout itself), and with replicas when rollout/replica_idle (the share of the replicas' time spent waiting
 for the slowest) is in every step's record and in [0, 1). Its line has the largest engine_lag, the mean
-time/engine_wait_s (how long the trainer waited for the engine's round after its update) and the mean
+time/engine_wait_s (how long the trainer waited for the engine's rollout after its update) and the mean
 replica_idle beside its step_s; the summary repeats them, or says why there was no overlap run.
 
 Every run has the headline's shape: a random qwen3_moe with 64 experts and top-8 routing, loaded by a hub
@@ -144,10 +144,10 @@ ROUTING_KEYS = ("rollout/routing_mismatch", "rollout/engine_kl", "rollout/logpro
 # or a sample) give a random model's MLP output on those tokens, a KL many times record's. Below the floor
 # (ulorl.KL_FLOOR, bf16 noise's reach on a small model) both are noise, and their ratio says nothing.
 REPLAY_KL_RATIO, REPLAY_KL_FLOOR = 2.0, 5e-5
-# The overlap run's steps: step 1 decodes all its rounds itself (engine_lag 0); steps 2 and 3 begin with the round
-# decoded during the update before them, one version old (engine_lag 1), and decode their other rounds with the
-# weights synced after that update (the tokens the gap check measures). Then the step records' metrics its
-# criteria and figures read: the lag, the trainer's wait for that round, the replicas' idle share.
+# The overlap run's steps: step 1 decodes its rollout itself (engine_lag 0); steps 2 and 3 train the rollout
+# decoded during the update before them, one version old (engine_lag 1), and the gap check measures the probe each
+# engine decodes on the weights synced after that update. Then the step records' metrics its criteria and figures
+# read: the lag, the trainer's wait for that rollout, the replicas' idle share.
 OVERLAP_STEPS = 3
 OVERLAP_LAG, ENGINE_WAIT, REPLICA_IDLE = "staleness/engine_lag", "time/engine_wait_s", "rollout/replica_idle"
 
