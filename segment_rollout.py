@@ -78,26 +78,11 @@ def rollout_step(engine, pools: Pools, new_groups: list[list[Sample]], segment_l
     """Decode at most one segment for every unfinished sample and every new sample, then sort each one into
     the experience pool (EOS or global cap) or back into the unfinished pool (segment cap). `sampling` is
     the engine's (engine.Sampling); `version` is stamped on every token decoded now."""
-    batch, budgets = begin_round(pools, new_groups, segment_len, max_len)
-    return end_round(pools, batch, budgets, decode(engine, batch, budgets, sampling), max_len, version)
-
-
-def begin_round(pools: Pools, new_groups: list[list[Sample]], segment_len: int, max_len: int) -> tuple[list, list]:
-    """A round's (batch, token budgets): the unfinished samples and the new ones, each up to one segment. New
-    samples join the unfinished pool first: if the engine raises, nothing is lost."""
     batch = pools.unfinished + [s for g in new_groups for s in g]
-    pools.unfinished = batch
-    return batch, [min(segment_len, max_len - len(s.tokens)) for s in batch]
-
-
-def decode(engine, batch: list[Sample], budgets: list[int], sampling) -> list:
-    """A round's engine call: each sample's prompt + response so far, its random stream named by its uid."""
-    return engine.generate([s.prompt_ids + s.tokens for s in batch], budgets, sampling, keys=[s.uid for s in batch])
-
-
-def end_round(pools: Pools, batch: list[Sample], budgets: list[int], gens: list, max_len: int, version: int) -> dict:
-    """The engine's generations (engine.Generation per batch sample, sampled by policy `version`) appended and
-    each sample sorted: the experience pool (EOS or global cap) or the unfinished pool (segment cap)."""
+    pools.unfinished = batch  # new samples join the unfinished pool first: if the engine raises, nothing is lost
+    budgets = [min(segment_len, max_len - len(s.tokens)) for s in batch]
+    # each sample's prompt + response so far, its random stream named by its uid
+    gens = engine.generate([s.prompt_ids + s.tokens for s in batch], budgets, sampling, keys=[s.uid for s in batch])
     pools.unfinished = []
     for s, g, budget in zip(batch, gens, budgets):
         if g.routing is not None:  # the engine's latest forward over the sample (model.replay_layout)
