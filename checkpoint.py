@@ -116,11 +116,10 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
     masters = [local_shards(p.detach()) for g in opt.param_groups for p in g["params"]] \
         if cfg.dtype != "float32" else None
     name = f"trainer_state_rank{model_lib.rank()}.pt"
-    with model_lib.HashingWriter(os.path.join(tmp, name)) as f:
-        torch.save({"optimizer": local_shards(opt.state_dict()), "masters": masters, "scheduler": sched.state_dict(),
-                    "engine_rng": engine.rng_state() if engine is not None else None,
-                    "torch_rng": torch.get_rng_state()}, f)
-    for ranks_digest in model_lib.gather_objects({name: f.digest()}):  # every rank's, to rank 0's manifest
+    written = torch_save({"optimizer": local_shards(opt.state_dict()), "masters": masters,
+                          "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state(),
+                          "engine_rng": engine.rng_state() if engine is not None else None}, os.path.join(tmp, name))
+    for ranks_digest in model_lib.gather_objects({name: written}):  # every rank's, to rank 0's manifest
         digests.update(ranks_digest)
     model_lib.barrier()
     if lead:
@@ -131,9 +130,7 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
                       "next_uid": pools.next_uid, "next_group": pools.next_group}
         routes = {s.uid: s.routing for s in pooled(pools, state) if s.routing is not None}
         if routes:  # --routing-replay: layers x top_k bytes a token, binary beside the JSON
-            with model_lib.HashingWriter(os.path.join(tmp, "routing.pt")) as f:
-                torch.save(routes, f)
-            digests["routing.pt"] = f.digest()
+            digests["routing.pt"] = torch_save(routes, os.path.join(tmp, "routing.pt"))
         with model_lib.HashingWriter(os.path.join(tmp, "ulorl_state.json")) as f:
             f.write(json.dumps({"config": dataclasses.asdict(cfg), "git": git, **run_state,
                                 "world_size": model_lib.world(), "python_rng": random.getstate(),
@@ -143,6 +140,19 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
         publish(tmp, path)
         prune(cfg.out, cfg.keep_last, state.run_id)
     model_lib.barrier()
+
+
+def torch_save(obj, path: str) -> dict:
+    """torch.save into `path`, hashed as written; returns its {size, sha256}. A refused write (a full disk) is
+    the OSError it was, not the RuntimeError torch's writer wraps it in."""
+    with model_lib.HashingWriter(path) as f:
+        try:
+            torch.save(obj, f)
+        except RuntimeError:
+            if f.error is None:
+                raise
+            raise f.error from None
+    return f.digest()
 
 
 def publish(tmp: str, path: str) -> None:
@@ -166,7 +176,7 @@ def lock_out(out: str):
     another live run holds is refused, naming that run's pid and host."""
     try:
         os.makedirs(out, exist_ok=True)
-        f = open(os.path.join(out, ".lock"), "a+")
+        f = open_run_file(os.path.join(out, ".lock"), "a+")
     except OSError as e:
         raise ValueError(f"--out {out}: cannot write there ({e.strerror})") from None
     try:
@@ -225,20 +235,32 @@ def read_manifest(path: str) -> dict:
 
 
 def problem(path: str) -> str | None:
-    """Why a checkpoint cannot be trusted (missing manifest, missing, resized or altered file), or None."""
+    """Why a checkpoint cannot be trusted, or None. Trusted: a manifest that lists every file of the checkpoint
+    (ulorl_state.json among them) with its size and sha256, and every file matching them; a file the manifest
+    does not list (a routing.pt put there) is a reason too, since resume would load it."""
     try:
         with open(os.path.join(path, "manifest.json")) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        return f"no readable manifest.json ({e})"
-    listing = manifest["files"] if "files" in manifest else manifest  # checkpoints from before the run id
+            listing = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"no readable manifest.json with a file listing ({type(e).__name__}: {e})"
+    if not isinstance(listing, dict) or "ulorl_state.json" not in listing:
+        return "the manifest does not list ulorl_state.json"
+    on_disk = {os.path.relpath(os.path.join(d, n), path) for d, _, names in os.walk(path) for n in names} - \
+        {"manifest.json"}
+    if unlisted := sorted(on_disk - set(listing)):
+        return f"{unlisted[0]} is not in the manifest"
     for name, want in listing.items():
-        p = os.path.join(path, name)
-        if not os.path.exists(p):
+        if not isinstance(want, dict) or not isinstance(want.get("size"), int) or \
+                not isinstance(want.get("sha256"), str):
+            return f"the manifest lists {name} without its size and sha256"
+        if name not in on_disk:
             return f"{name} is missing"
+        p = os.path.join(path, name)
+        if os.path.islink(p):
+            return f"{name} is a symbolic link"
         if os.path.getsize(p) != want["size"]:
             return f"{name} has {os.path.getsize(p)} bytes, the manifest says {want['size']}"
-        if "sha256" in want and file_digest(p) != want["sha256"]:
+        if file_digest(p) != want["sha256"]:
             return f"{name} does not match its sha256 in the manifest"
     return None
 
@@ -253,12 +275,36 @@ def run_files(out: str) -> list[str]:
     return found + sorted(d for d in os.listdir(out) if d.startswith("step_") or d in ("tb", "wandb"))
 
 
+def refuse_links(out: str) -> None:
+    """--out may itself be a link, never hold one: a run writes its records, checkpoints and lock inside it,
+    and a planted link would make it write (the data's answers, or over another file) somewhere else."""
+    for d, dirs, names in os.walk(out):
+        for name in dirs + names:
+            if os.path.islink(os.path.join(d, name)):
+                raise ValueError(f"--out {out}: {os.path.join(d, name)} is a symbolic link; a run writes only "
+                                 f"into --out itself: remove the link, or choose another --out")
+
+
+def open_run_file(path: str, mode: str):
+    """A file of the run in --out, opened without following a link at its name ("r", "w", "a" or "a+")."""
+    flags = {"r": os.O_RDONLY, "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+             "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND}[mode]
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(f"{path} is a symbolic link; a run writes only into --out itself") from None
+        raise
+    return os.fdopen(fd, mode)
+
+
 def find_resume(resume: str, out: str, overwrite: bool = False) -> str | None:
     """The checkpoint a run starts from (None: from the model), given --resume, --out and --overwrite. An --out
     that holds a run is never written over unless --resume continues it or --overwrite says so; --resume auto
     takes the newest checkpoint that passes its manifest check (those skipped are named), starts fresh in a
     folder holding no run, and stops, listing what it found and why each was rejected, when nothing of a run
     there can be resumed. Read-only: --overwrite's deletion is clear_run()'s."""
+    refuse_links(out)
     held = run_files(out)
     if overwrite:
         return None

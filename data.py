@@ -19,6 +19,7 @@ UloRL's data cleaning (section 3.4) is the CLI at the bottom of this file:
 """
 import functools
 import json
+import math
 import os
 import random
 import re
@@ -49,6 +50,8 @@ def read_jsonl(path: str) -> list[tuple[str, dict]]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: line {n} is not valid JSON ({e.msg} at column {e.colno});"
                              f" each line must hold one JSON object") from None
+        except RecursionError:
+            raise ValueError(f"{path}:{n}: line {n} is JSON nested too deeply to read") from None
         out.append((f"{path}:{n}", obj))
     return out
 
@@ -60,6 +63,8 @@ def read_json(path: str) -> list[tuple[str, dict]]:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: not a valid UTF-8 JSON file ({e}); a .json source must hold one list"
                              f" of row objects (use .jsonl for one object per line)") from None
+        except RecursionError:
+            raise ValueError(f"{path}: JSON nested too deeply to read") from None
     if not isinstance(data, list):
         raise ValueError(f"{path}: holds a JSON {type(data).__name__}, expected a list of row objects")
     return [(f"{path}:{i}", obj) for i, obj in enumerate(data)]
@@ -140,6 +145,9 @@ def make_row(obj, where: str, prompt_key: str, answer_key: str, verifier_key: st
     if not isinstance(verifier, str) or not verifier:
         raise ValueError(f"{where}: field '{verifier_key}' (the verifier) must be a non-empty string,"
                          f" got {verifier!r}")
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise ValueError(f"{where}: field '{answer_key}' (the answer) is {answer}, not a number an answer can be "
+                         f"(JSON's NaN / Infinity, or a missing value in a parquet column)")
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         answer = str(answer)  # JSON and parquet hand back integer answers as numbers
     if isinstance(answer, (dict, list)) and verifier in JSON_ANSWERS:
@@ -245,11 +253,12 @@ def rg_rows(spec: str, seed: int, size: int = 1000) -> list[dict]:
             raise ValueError(f"rg:{name}:{i}: the entry can't be stored as JSON for the scorer ({e})") from None
         rows.append({"prompt": entry["question"] + RG_INSTRUCTION, "answer": answer, "verifier": "rg",
                      "where": f"rg:{name}:{i}"})
-    # the scorer gets the entry back from JSON (tuples become lists): make sure that still scores the gold answer
-    entry = json.loads(rows[0]["answer"])
-    if entry["answer"] is not None and reasoning_gym.get_score_answer_fn(name)(entry["answer"], entry) != 1.0:
-        raise ValueError(f"rg:{name}: the library's scorer does not give its own answer 1.0 after a JSON round "
-                         f"trip, so rewards would be wrong; this dataset is not supported")
+    # the scorer gets the entry back from JSON (tuples become lists) and runs in the sandbox under a guard that
+    # keeps the answer a literal or an expression: make sure that still scores the gold answer
+    if json.loads(rows[0]["answer"])["answer"] is not None and (why := reward.rg_unsupported(rows[0]["answer"])):
+        raise ValueError(f"rg:{name}: this dataset is not supported: the library's scorer, run as training runs "
+                         f"it (in the sandbox, the answer kept to a literal or an expression), does not give its "
+                         f"own answer 1.0 ({why})")
     return rows
 
 

@@ -10,6 +10,8 @@ import math
 import os
 import subprocess
 
+from checkpoint import open_run_file
+
 
 def git_hash() -> str:
     try:
@@ -30,11 +32,11 @@ def open_for_append(path: str, resumed_step: int | None):
     """`path` open for appending; on resume without the records of steps after `resumed_step`."""
     keep = []
     if resumed_step is not None and os.path.exists(path):
-        with open(path) as f:
+        with open_run_file(path, "r") as f:
             keep = [line for line in f if line.strip() and json.loads(line)["step"] <= resumed_step]
-    with open(path, "w") as f:
+    with open_run_file(path, "w") as f:
         f.writelines(keep)
-    return open(path, "a")
+    return open_run_file(path, "a")
 
 
 class RunLog:

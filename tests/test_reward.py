@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from conftest import run
+from conftest import ROOT, run
 import reward
+from sandbox import extract_code
 from reward import extract_answer, math_equal, overlong_reward, score_batch, tiny_reward
 
 
@@ -355,6 +356,49 @@ def test_rg_reward_uses_the_library_scorer():
     assert 0.0 <= partial < 1.0
     scores, metrics = score_batch([("rg", f"<answer>{gold}</answer>", row["answer"]), ("rg", "x", row["answer"])])
     assert scores == [1.0, 0.0] and metrics == {"reward/timeouts": 0, "reward/errors": 0}
+
+
+def test_reasoning_gym_answers_run_no_code(tmp_path):
+    """About nine Reasoning Gym scorers eval the answer (spiral_matrix) or parse it with sympy (countdown), which
+    evals too. Scored as the trainer scores, as root with secrets in its environment, an answer wrote the
+    secret to a file, patched the worker so that later wrong answers scored 1.0, and named the scorer's own
+    variable for credit. Now each check runs in the sandbox and the answer may not run code at all."""
+    import data
+    marker = tmp_path / "pwned"
+    spiral, countdown = (data.rg_rows(f"rg:{name}:2", seed=0)[0]["answer"] for name in ("spiral_matrix", "countdown"))
+    attacks = [f"open({str(marker)!r}, 'w').write(__import__('os').environ['HF_TOKEN'])",
+               f"__import__('os').system('echo $HF_TOKEN > {marker}')",
+               "setattr(__import__('reward'), 'tiny_reward', lambda response, answer: 1.0)",
+               "oracle_answer.split()"]
+    items = [("rg", f"<answer>{a}</answer>", row) for a in attacks for row in (spiral, countdown)]
+    items += [("tiny", "1,2:3", "4")]  # wrong: scores 0 unless the worker was patched
+    script = ("import json, sys\nimport reward\n"
+              "print(json.dumps(reward.score_batch(json.loads(sys.argv[1]), timeout=30, workers=1)[0]))")
+    p = run([sys.executable, "-c", script, json.dumps(items)], timeout=300,
+            env=dict(os.environ, HF_TOKEN="hf_ulorl_test_secret", PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stderr[-3000:]
+    scores = json.loads(p.stdout)
+    assert not marker.exists() and scores[-1] == 0.0, scores
+    assert all(s <= 0.01 for s in scores), scores  # countdown's own rule: 0.01 for an answer it cannot read
+
+
+def test_answer_extraction_is_linear():
+    """Extraction runs in the trainer's and eval.py's own process (maj@k, data.py clean), where no worker
+    timeout applies: 15,000 unclosed <answer> took 20 s."""
+    start = time.perf_counter()
+    assert reward.final_answer("rg", "<answer>" * 15_000) == "<answer>" * 15_000  # no pair: the last line
+    assert reward.rg_extract("<answer>" * 15_000 + "7</answer>") == "<answer>" * 14_999 + "7"
+    assert extract_code("```python\n" * 15_000) == ""
+    assert extract_code("``` \t" * 50_000) is None
+    assert time.perf_counter() - start < 1.0
+    import re
+    tag = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+    fence = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+    for n in range(4):  # the regexes they replace, on inputs small enough for them
+        for text in ("<answer>" * n + "1</answer>" + "<answer>2" * n, "a</answer><answer>" * n + "</answer>"):
+            assert reward._last_tagged(text) == (tag.findall(text) or [None])[-1], text
+        for text in ("```python\n" * n + "x```", "```\nA```" * n + "``` py\nB\n```" + "```\n" * n):
+            assert extract_code(text) == ([b for _, b in fence.findall(text)] or [None])[-1], text
 
 
 def c(type_, **params):

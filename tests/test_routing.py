@@ -19,7 +19,7 @@ import config
 import model as model_lib
 import tiny
 import ulorl
-from conftest import run
+from conftest import close_up_to_order, run
 from engine import HFEngine, Sampling, vllm_routing
 from naive import PROMPTS, ids, make_row
 from segment_rollout import Pools, rollout_step
@@ -83,7 +83,7 @@ def test_checkpointing_recomputes_with_the_replayed_experts():
         routing.replay = routes
         lm(IDS).logits.square().mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in lm.parameters() if p.grad is not None]))
-    assert torch.allclose(grads[0], grads[1], atol=1e-7, rtol=1e-5)
+    assert close_up_to_order(grads[0], grads[1]), (grads[0] - grads[1]).abs().max()
 
 
 def test_dense_models_are_refused():

@@ -36,6 +36,8 @@ def fake_checkpoint(path, big_mib: int = 0, extra: str = ""):
         digests["model-00001-of-00002.safetensors"] = f.digest()
     with open(os.path.join(path, "config.json"), "w") as f:  # a file a library writes: read back for its hash
         f.write("{" + extra + "}")
+    with open(os.path.join(path, "ulorl_state.json"), "w") as f:
+        f.write("{}")
     checkpoint.write_manifest(path, "run-1", 1, digests)
 
 
@@ -44,13 +46,56 @@ def test_a_flipped_bit_in_a_large_file_is_caught(tmp_path):
     fake_checkpoint(path, big_mib=65)  # more than the 64 MiB up to which files used to be hashed
     name = "model-00001-of-00002.safetensors"
     assert os.path.getsize(os.path.join(path, name)) > 64 << 20 and checkpoint.problem(path) is None
-    assert set(checkpoint.read_manifest(path)["files"]) == {name, "config.json"}
+    assert set(checkpoint.read_manifest(path)["files"]) == {name, "config.json", "ulorl_state.json"}
     with open(os.path.join(path, name), "r+b") as f:
         f.seek(40 << 20)
         byte = f.read(1)[0]
         f.seek(40 << 20)
         f.write(bytes([byte ^ 0x10]))
     assert checkpoint.problem(path) == f"{name} does not match its sha256 in the manifest"
+
+
+def test_verification_needs_every_file_listed_with_its_digest(tmp_path):
+    """A manifest with an empty listing, or sizes without digests, verified; a routing.pt it did not list was
+    loaded. Now the manifest must list every file with both, and each file must match."""
+    path = str(tmp_path / "step_000001")
+    fake_checkpoint(path)
+    assert checkpoint.problem(path) is None
+    manifest = os.path.join(path, "manifest.json")
+    good = json.load(open(manifest))
+
+    def with_listing(files):
+        json.dump({**good, "files": files}, open(manifest, "w"))
+        return checkpoint.problem(path)
+
+    assert with_listing({}) == "the manifest does not list ulorl_state.json"
+    sizes_only = {name: {"size": want["size"]} for name, want in good["files"].items()}
+    assert with_listing(sizes_only) == "the manifest lists config.json without its size and sha256"
+    assert with_listing({"ulorl_state.json": good["files"]["ulorl_state.json"]}) == "config.json is not in the manifest"
+    with_listing(good["files"])
+    torch.save({0: torch.zeros(3, dtype=torch.uint8)}, os.path.join(path, "routing.pt"))
+    assert checkpoint.problem(path) == "routing.pt is not in the manifest"
+    os.remove(os.path.join(path, "routing.pt"))
+    os.symlink("/etc/hostname", os.path.join(path, "config.json.tmp"))
+    assert checkpoint.problem(path) == "config.json.tmp is not in the manifest"
+
+
+def test_links_inside_out_are_refused_and_nothing_is_written_through_them(tmp_path):
+    """A `.lock` link made a root run overwrite its target; dangling metrics.jsonl / samples.jsonl links made
+    the run create files (holding the data's answers) outside --out."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    for name, target in ((".lock", victim), ("metrics.jsonl", tmp_path / "created")):
+        out = tmp_path / f"out-{name}"
+        out.mkdir()
+        os.symlink(target, out / name)
+        p = run([sys.executable, "train.py", *RUN, "--steps", "1", "--out", str(out), "--resume", "auto"],
+                timeout=120, env=ENV)
+        assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+        assert f"{out / name} is a symbolic link" in p.stderr, p.stderr[-2000:]
+    assert victim.read_text() == "precious" and not (tmp_path / "created").exists()
+    with pytest.raises(ValueError, match="is a symbolic link"):  # a link that appears after the check
+        checkpoint.open_run_file(str(tmp_path / "out-.lock" / ".lock"), "a+")
 
 
 def test_a_resaved_step_is_complete_at_every_instant(tmp_path, monkeypatch):
@@ -115,6 +160,15 @@ def test_a_full_disk_says_what_failed_and_what_is_safe(tmp_path):
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "error: could not write checkpoint" in p.stderr and "No space left on device" in p.stderr
     assert "no checkpoint of this run was complete yet" in p.stderr
+
+
+def test_a_full_disk_in_the_optimizer_state_says_the_same(tmp_path):
+    # 5 MiB holds the weights (3.2 MB) but not the optimizer state (6.4 MB): torch.save's writer, which wrapped
+    # the refused write in a RuntimeError traceback
+    p = in_a_small_mount(tmp_path, "size=5m", "--steps", "1")
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "error: could not write checkpoint" in p.stderr and "No space left on device" in p.stderr
+    assert "trainer_state_rank0.pt" in p.stderr
 
 
 def test_a_read_only_out_says_so(tmp_path):

@@ -276,20 +276,76 @@ def test_the_data_and_the_trainers_command_line_are_out_of_reach():
         os.remove(secret)
 
 
-def test_sysv_shared_memory_does_not_outlive_its_program():
-    key = 0x51A7 + os.getpid() % 1000
-    libc = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-            "libc.shmat.restype = ctypes.c_void_p\n")
-    writer = libc + (f"shmid = libc.shmget({key}, 1 << 20, 0o1666)\n"  # IPC_CREAT | 0666
-                     "addr = libc.shmat(shmid, None, 0)\n"
-                     "ctypes.memmove(addr, b'left behind', 11)\n"
-                     "print(shmid >= 0)")
-    reader = libc + (f"shmid = libc.shmget({key}, 0, 0)\n"
-                     "print('found' if shmid >= 0 else 'none')")
-    first = run_program(writer)
-    assert (first.status, first.stdout) == ("ok", "True\n"), first
-    second = run_program(reader)
-    assert (second.status, second.stdout) == ("ok", "none\n"), second
+LIBC = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nerr = lambda: os.strerror(ctypes.get_errno())\n"
+
+
+def syscall(name: str) -> int:
+    import pyseccomp
+    return pyseccomp.resolve_syscall(pyseccomp.system_arch(), name)
+
+
+def test_memory_outside_the_limits_is_refused():
+    """SysV shared memory and memfds held memory outside RLIMIT_AS (2.1 GB in one check), and bwrap's root
+    tmpfs was writable without a bound (1.95 GB in 0.6 s): each is refused now."""
+    code = LIBC + ("libc.shmat.restype = ctypes.c_void_p\n"
+                   "print('shm', libc.shmget(0x51A7, 1 << 20, 0o1666), err())\n"  # IPC_CREAT | 0666
+                   f"print('memfd', libc.syscall({syscall('memfd_create')}, b'x', 0), err())\n"
+                   "for path in ('/pwn', '/usr/pwn', '/proc/pwn', '/dev/pwn'):\n"
+                   "    try:\n"
+                   "        open(path, 'w').write('x')\n"
+                   "        print(path, 'written')\n"
+                   "    except OSError as e:\n"
+                   "        print(path, 'refused')\n")
+    r = run_program(code)
+    assert r.status == "ok", r
+    assert r.stdout.splitlines()[:2] == ["shm -1 Operation not permitted", "memfd -1 Operation not permitted"]
+    assert r.stdout.splitlines()[2:] == [f"{p} refused" for p in ("/pwn", "/usr/pwn", "/proc/pwn", "/dev/pwn")]
+
+
+def test_the_program_is_alone_and_cannot_ptrace():
+    """bwrap's own init (pid 1) had no limits and could be ptraced: code injected there forked past RLIMIT_NPROC
+    0 and wrote past the output cap. Now the program is pid 1 itself, the only process it can see, and ptrace,
+    process_vm_writev, io_uring and userfaultfd are refused."""
+    code = LIBC + ("print(os.getpid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+                   "for pid in range(1, 64):\n"
+                   "    if libc.ptrace(16, pid, None, None) == 0:\n"  # PTRACE_ATTACH
+                   "        print('attached', pid)\n"
+                   f"print('io_uring', libc.syscall({syscall('io_uring_setup')}, 8, ctypes.create_string_buffer(120)), "
+                   f"err())\n"
+                   f"print('userfaultfd', libc.syscall({syscall('userfaultfd')}, 0), err())\n")
+    r = run_program(code)
+    assert r.status == "ok", r
+    assert r.stdout.splitlines() == ["1 [1]", "io_uring -1 Operation not permitted",
+                                     "userfaultfd -1 Operation not permitted"], r.stdout
+
+
+def test_the_trainers_keyring_is_out_of_reach_and_checks_share_none():
+    """A key in the trainer's session keyring was readable from the sandbox, and a program could plant one that
+    a later check read. The trainer here is a process of its own (its keyring is its own)."""
+    name = f"ulorl-test-{uuid.uuid4().hex}"
+    probe = LIBC + (f"print(libc.syscall({syscall('request_key')}, b'user', b'{name}', None, 0), err())\n"
+                    f"print(libc.syscall({syscall('add_key')}, b'user', b'{name}-planted', b'x', 1, -3), err())\n"
+                    f"print(libc.syscall({syscall('request_key')}, b'user', b'{name}-planted', None, 0), err())\n")
+    trainer = ("import ctypes, json, sys\nimport sandbox\n"
+               "libc = ctypes.CDLL(None, use_errno=True)\n"
+               f"assert libc.syscall({syscall('add_key')}, b'user', b'{name}', b'HF_TOKEN', 8, -3) > 0\n"  # session
+               "print(json.dumps([sandbox.run_program(sys.argv[1]).stdout for _ in range(2)]))")
+    p = run([sys.executable, "-c", trainer, probe], timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stderr[-2000:]
+    refused = "-1 Operation not permitted"
+    assert json.loads(p.stdout) == ["\n".join([refused] * 3) + "\n"] * 2, p.stdout
+
+
+def test_no_host_path_is_visible_inside():
+    """The program's mounts and the command lines it can read named the runner's temporary directories
+    (/tmp/ulorl_sandbox_<pid>_..., the bwrap copy's path)."""
+    code = ("import os\n"
+            "seen = open('/proc/self/mountinfo').read()\n"
+            "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+            "    seen += open(f'/proc/{pid}/cmdline').read()\n"
+            f"print('ulorl_' in seen, {tempfile.gettempdir() + '/'!r} in seen)\n")
+    r = run_program(code)
+    assert (r.status, r.stdout) == ("ok", "False False\n"), r
 
 
 def test_a_nested_user_namespace_cannot_escape_the_limits():
@@ -305,19 +361,28 @@ def test_a_nested_user_namespace_cannot_escape_the_limits():
     assert r.status == "ok" and r.stdout.startswith("refused"), r
 
 
-def test_a_non_root_trainer_gets_the_same_isolation(tmp_path):
+def test_a_non_root_trainer_gets_the_same_isolation():
     """CI runs as root: the trainer's side drops to `nobody` here, with the system's python3 (the pyenv under
-    /root is out of its reach) and a copy of bwrap it can run."""
+    /root is out of its reach), a copy of bwrap it can run, and sandbox.py and pyseccomp copied where it can
+    read them (the clone may sit in a folder `nobody` cannot enter, as `mktemp -d` makes)."""
     python = "/usr/bin/python3"
     if os.geteuid() != 0 or not os.path.exists(python):
         pytest.skip("needs root to drop privileges, and /usr/bin/python3")
+    import pyseccomp
     bwrap = sandbox._bwrap()  # as root: a copy that `nobody` may run, as every root trainer's worker makes
     home = os.path.dirname(os.path.dirname(os.path.dirname(bwrap)))
+    code = tempfile.mkdtemp(prefix="ulorl_test_nobody_")
+    for module in (sandbox, pyseccomp):
+        shutil.copy(module.__file__, code)
+    for d, _, names in os.walk(code):
+        os.chmod(d, 0o755)
+        for name in names:
+            os.chmod(os.path.join(d, name), 0o644)
     probe = ("import sandbox\n"
              "r = sandbox.run_program(\"import os\\nprint(os.getuid(), len([p for p in os.listdir('/proc') "
              "if p.isdigit()]), os.path.exists('/work'), os.path.exists('/etc'))\")\n"
              "print(r.status, r.stdout.strip())")
-    env = {"PATH": os.path.dirname(bwrap) + ":/usr/bin:/bin", "PYTHONPATH": ROOT}
+    env = {"PATH": os.path.dirname(bwrap) + ":/usr/bin:/bin", "PYTHONPATH": code}
 
     def drop():
         os.setgroups([])
@@ -325,13 +390,14 @@ def test_a_non_root_trainer_gets_the_same_isolation(tmp_path):
         os.setuid(sandbox.NOBODY)
 
     try:
-        p = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
+        p = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60, env=env, cwd="/",
                            preexec_fn=drop)
     finally:
         shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(code, ignore_errors=True)
     assert p.returncode == 0, p.stderr[-2000:]
     uid, processes, work, etc = p.stdout.split()[1:]
-    assert p.stdout.startswith("ok ") and uid == "65534" and int(processes) <= 3 and work == etc == "False", p.stdout
+    assert p.stdout.startswith("ok ") and uid == "65534" and processes == "1" and work == etc == "False", p.stdout
 
 
 def test_the_sandbox_works_under_the_trainers_umask():

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import model as model_lib
 import tiny
-from conftest import free_port, run
+from conftest import close_up_to_order, free_port, run
 from test_distributed import records, rel_diff, weights
 from segment_rollout import Sample
 
@@ -70,8 +70,8 @@ def test_packed_kernel_gives_transformers_packed_forward(moe):
     ours = forward_backward(make(moe, "ulorl_sdpa"), mb)
     theirs = forward_backward(make(moe, "sdpa"), mb)
     padded = forward_backward(make(moe, "sdpa"), model_lib.collate(samples(), 0, pack=False))
-    for a, b, c in zip(ours, theirs, padded):
-        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5) and torch.allclose(a, c, atol=1e-6, rtol=1e-5)
+    for a, b, c in zip(ours, theirs, padded):  # the padded forward adds in another order
+        assert close_up_to_order(a, b) and close_up_to_order(a, c), ((a - b).abs().max(), (a - c).abs().max())
     assert ours[0].abs().sum() > 0 and ours[2].abs().sum() > 0
     # without cu_seqlens (generation with a KV cache, padded rows) the registered name is sdpa itself
     lm = make(moe, "ulorl_sdpa")
@@ -106,8 +106,8 @@ def test_ranks_holding_slices_give_the_whole_forward_and_backward(tmp_path, sp, 
     one = forward_backward(make(moe, "sdpa"), model_lib.collate(samples(routed=moe == "replay"), 0, pack=True))
     if moe == "replay":  # the replayed experts changed the forward
         assert not torch.allclose(one[0], forward_backward(make(True, "sdpa"), model_lib.collate(samples(), 0))[0])
-    assert torch.allclose(lp, one[0], atol=1e-6, rtol=1e-5) and torch.allclose(ent, one[1], atol=1e-6, rtol=1e-5)
-    assert (grads - one[2]).abs().max() <= 1e-5 * one[2].abs().max(), (grads - one[2]).abs().max()
+    assert close_up_to_order(lp, one[0]) and close_up_to_order(ent, one[1])
+    assert close_up_to_order(grads, one[2]), (grads - one[2]).abs().max()
 
 
 def test_sequence_parallel_refuses_what_it_cannot_split(tmp_path):
