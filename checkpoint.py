@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 import model as model_lib
 from segment_rollout import Pools, Sample
-from ulorl import RunState
+from ulorl import Prefetched, RunState
 
 AT_FDCWD, RENAME_EXCHANGE = -100, 2
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -124,6 +124,7 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
     model_lib.barrier()
     if lead:
         run_state = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "ready"}
+        run_state["prefetched"] = dataclasses.asdict(state.prefetched) if state.prefetched else {}
         pool_state = {"unfinished": [sample_record(s) for s in pools.unfinished],
                       "experience": [sample_record(s) for g in pools.experience.values() for s in g],
                       "ready": [[sample_record(s) for s in g] for g in state.ready],
@@ -389,6 +390,7 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
     for f in dataclasses.fields(RunState):  # step, version, cursor, ...; ready groups are with the pools
         if f.name in saved and f.name != "ready":
             setattr(state, f.name, saved[f.name])
+    state.prefetched = Prefetched(**saved["prefetched"]) if saved.get("prefetched") else None
     state.ready = [[Sample(**d) for d in g] for g in p["ready"]]
     if model_lib.rank() == 0 and os.path.exists(os.path.join(path, "routing.pt")):  # only rank 0 samples
         routes = torch.load(os.path.join(path, "routing.pt"), weights_only=True)

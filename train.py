@@ -11,9 +11,9 @@ every process is a trainer rank; rank 0 also owns the rollout engine, the pools,
 hands every rank the step's batch.
 
 One step, in paper order (ulorl.py maps every paper component to its function):
-  1-4. rollout (segment_rollout.py): unfinished samples + new prompts x G decode at most one segment;
-       finished samples are rewarded; complete groups that are not all-equal wait for training (dynamic
-       sampling); repeat until `--train-groups` of them are ready
+  1-4. rollout (rollouts.py, segment_rollout.py): unfinished samples + new prompts x G decode at most one
+       segment; finished samples are rewarded; complete groups that are not all-equal wait for training
+       (dynamic sampling); repeat until `--train-groups` of them are ready
   5-6. ulorl.update: old log-probs (POIS recomputes them), reference log-probs (KL), entropy and the DMMPT
        mask; the clipped token-level loss (loss.py) with one global token count per optimizer step
   7.   sync the new weights to the engine (--overlap 1: the engine decoded the next step's rollout, steps 1-4,
@@ -28,7 +28,6 @@ import random
 import shutil
 import signal
 import sys
-import threading
 import time
 
 import torch
@@ -45,7 +44,8 @@ import sandbox
 import ulorl
 from config import Config, engine_placement, parse_config, tensor_parallel_sizes
 from engine import Sampling, engine_kind, make_engine
-from segment_rollout import Pools, Sample, rollout_step
+from rollouts import EngineFailure, Rollouts
+from segment_rollout import Pools, Sample
 from ulorl import RunState
 
 
@@ -203,167 +203,6 @@ def memory_peaks(cfg: Config, host_before: int) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------------- steps 1-4: rollout
-
-class EngineFailure(RuntimeError):
-    """The rollout engine failed twice in a row."""
-
-
-def rollout_until_ready(engine, pools: Pools, rows, state: RunState, tokenizer, sampling: Sampling, cfg: Config,
-                        record: dict, rewards: list, judge: reward.Judge | None, too_long: set, version: int) -> None:
-    """Steps 1-4: rollout rounds until `--train-groups` informative complete groups are ready (at least one
-    round per step, so unfinished samples always advance), decoded by the engine's weights, policy version
-    `version`. Adds the rollout's counts to `record`, the step's metrics.jsonl record, and (verifier, reward)
-    of every sample rewarded on the way to `rewards`.
-    `too_long`: rows known to exceed --max-prompt-len (data.draw_prompts skips them untokenized)."""
-    ran = False
-    while record["rollout/rounds"] == 0 or len(state.ready) < cfg.train_groups:
-        ran = True
-        r = run_round(engine, pools, draw_groups(pools, rows, state, tokenizer, cfg, too_long, record), version,
-                      sampling, cfg)
-        record["rollout/rounds"] += 1
-        record["tokens/generated"] += r["tokens/generated"]
-        record["rollout/unfinished"] = r["rollout/unfinished"]
-        # 3. reward the groups whose every member is finished
-        complete = [pools.pop_group(g[0].group) for g in pools.ready_groups(cfg.group_size)]
-        samples = [s for g in complete for s in g]
-        texts = tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
-        for k, v in reward.score_samples(samples, texts, cfg.max_response_len, cfg.overlong, cfg.overlong_buffer,
-                                         cfg.reward_timeout, judge, cfg.reward_batch_timeout).items():
-            record[k] = record.get(k, 0) + v
-        rewards += [(s.row["verifier"], s.reward) for s in samples]
-        # 4. dynamic sampling: only informative groups wait for the update
-        kept, dropped = ulorl.dynamic_sampling(complete, cfg.dynamic_sampling)
-        state.ready += kept
-        record["dynamic/dropped_groups"] += dropped
-        if record["rollout/rounds"] > 100 * cfg.segments:
-            mean_reward = sum(r for _, r in rewards) / max(len(rewards), 1)
-            raise RuntimeError(f"no informative group after {record['rollout/rounds']} rollouts: every group's "
-                               f"rewards were all equal (mean reward {mean_reward:.3f}). "
-                               f"The task is too easy or too hard for this model; try --dynamic-sampling false")
-    if ran and hasattr(engine, "idle"):  # --rollout-replicas: the share of the replicas' time waiting for the slowest
-        record["rollout/replica_idle"] = engine.idle()
-
-
-def new_record(pools: Pools) -> dict:
-    """A step's metrics.jsonl record, before its rollout: counts it adds to."""
-    return {"reward/timeouts": 0, "reward/errors": 0, "rollout/rounds": 0, "tokens/generated": 0,
-            "dynamic/dropped_groups": 0, "rollout/unfinished": len(pools.unfinished)}
-
-
-def draw_groups(pools: Pools, rows, state: RunState, tokenizer, cfg: Config, too_long: set, record: dict) -> list:
-    """New prompts x G for a round: as many as fit next to the unfinished samples (--prompts-per-step x G rows),
-    none once enough groups are ready."""
-    open_slots = cfg.prompts_per_step * cfg.group_size - len(pools.unfinished)  # rollout rows for new groups
-    n_new = 0 if len(state.ready) >= cfg.train_groups else max(open_slots // cfg.group_size, 0)
-    prompts, state.cursor, skipped = data.draw_prompts(rows, cfg.seed, state.cursor, n_new, tokenizer,
-                                                       cfg.max_prompt_len, cfg.data, too_long)
-    if skipped:
-        record["data/skipped_long_prompts"] = record.get("data/skipped_long_prompts", 0) + skipped
-    return [pools.new_group(ids, row, cfg.group_size) for ids, row in prompts]
-
-
-def run_round(engine, pools: Pools, new: list, version: int, sampling: Sampling, cfg: Config) -> dict:
-    """1-2. Decode one segment of every unfinished and new sample (tokens stamped with `version`) and sort them
-    into the pools; one retry (the new samples already wait in the unfinished pool). Returns its counts."""
-    segment_len = cfg.max_response_len // cfg.segments
-    try:
-        return rollout_step(engine, pools, new, segment_len, cfg.max_response_len, sampling, version)
-    except Exception as e:
-        print(f"warning: the rollout engine failed ({type(e).__name__}: {e}); retrying once",
-              file=sys.stderr, flush=True)
-        try:
-            return rollout_step(engine, pools, [], segment_len, cfg.max_response_len, sampling, version)
-        except Exception as e2:
-            raise EngineFailure(f"the rollout engine failed twice: {type(e2).__name__}: {e2}; resume from the "
-                                f"newest checkpoint in {cfg.out} with --resume auto") from e2
-
-
-PROBE_PROMPTS, PROBE_TOKENS = 4, 64  # the gap check's probe under --overlap: 256 tokens (a prompt a replica at
-# least), so that one outlier token does not make the mean KL; a small share of a step's decoding
-
-
-def probe_engine(engine, groups: list[list[Sample]], version: int, step: int, sampling: Sampling,
-                 cfg: Config) -> list[Sample]:
-    """--overlap: a step whose rollout was decoded during the last update trains no token of the current weights,
-    so nothing in it measures the engine/trainer gap on them (a sync that left the engine behind would go
-    unseen). The engines continue trained groups' prompts by PROBE_TOKENS tokens each on the weights just
-    synced: the first PROBE_PROMPTS groups' prompts, dealt round the replicas (each gets one at least); the
-    trainer compares its log-probs with theirs (ulorl.update's `probe`) and trains on none."""
-    engines = getattr(engine, "engines", [engine])  # each replica directly: the split's bookkeeping stays as it was
-    firsts = [g[0] for g in groups][:max(PROBE_PROMPTS, len(engines))]
-    probes = []
-    for i, e in enumerate(engines):
-        idx = list(range(i, len(firsts), len(engines))) or [0]
-        mine = [firsts[j] for j in idx]
-        keys = [-(1 << 40) - step * 1024 - j for j in idx]  # apart from training's (0, 1, ...) and evaluation's
-        gens = e.generate([s.prompt_ids for s in mine], [min(PROBE_TOKENS, cfg.max_response_len)] * len(mine),
-                          sampling, keys=keys)  # (-1, -2, ...) random streams
-        probes += [Sample(uid=-1, group=-1, prompt_ids=s.prompt_ids, row=s.row, tokens=g.tokens, logprobs=g.logprobs,
-                          versions=[version] * len(g.tokens), seg_starts=[0], finish="eos", reward=0.0,
-                          routing=g.routing) for s, g in zip(mine, gens)]
-    return probes
-
-
-def prefetch(engine, pools: Pools, rows, state: RunState, tokenizer, sampling: Sampling, cfg: Config,
-             judge: reward.Judge | None, too_long: set, probe_groups: list | None, step: int) -> tuple:
-    """--overlap: the next step's whole rollout (rounds, rewards, dynamic sampling) begins now in a thread,
-    decoded by the current weights while the trainers update them (the engine works in a process of its own;
-    the update reads none of what the rollout writes: the pools, the ready groups, the data cursor). collect()
-    ends it before the weight sync, so new weights reach the engine between its calls, and what it decoded is
-    in the pools and the run state (so in any checkpoint) before the step ends. It draws exactly what a
-    synchronous rollout would: its rounds depend on the weights and the pools, not on timing (a reward that
-    overruns --reward-timeout aside). With `probe_groups` (this step trains none of the current weights'
-    tokens), the thread's first call is the gap check's probe of them (probe_engine), which the update waits
-    for (await_probe) after its own pass over the batch."""
-    ahead = {"record": new_record(pools), "rewards": [], "version": state.version}
-    probe = {"ready": threading.Event()}
-
-    def run():
-        t0 = time.time()
-        try:
-            if probe_groups:
-                try:
-                    probe["samples"] = probe_engine(engine, probe_groups, ahead["version"], step, sampling, cfg)
-                finally:
-                    probe["ready"].set()
-            rollout_until_ready(engine, pools, rows, state, tokenizer, sampling, cfg, ahead["record"],
-                                ahead["rewards"], judge, too_long, ahead["version"])
-        except BaseException as e:  # collect() reports it on the main thread
-            ahead["error"] = e
-        ahead["record"]["time/rollout_ahead_s"] = time.time() - t0  # beside the update: not in time/rollout_s
-
-    thread = threading.Thread(target=run, name="rollout", daemon=True)
-    thread.start()
-    return thread, ahead, probe
-
-
-def await_probe(started: tuple) -> list[Sample] | None:
-    """The probe prefetch() began with, once decoded; None when the engine failed it (the step's gap goes
-    unmeasured: rollout/engine_kl null)."""
-    thread, ahead, probe = started
-    probe["ready"].wait()
-    if "samples" not in probe:
-        print(f"warning: the engine failed the gap check's probe ({ahead.get('error')!r}); this step's "
-              f"engine/trainer gap goes unmeasured", file=sys.stderr, flush=True)
-    return probe.get("samples")
-
-
-def collect(started: tuple) -> dict:
-    """The prefetched rollout, ended: the next step's record so far, its rewards and the version that decoded
-    it (RunState.prefetched). An engine that failed (twice) leaves its samples in the unfinished pool: the next
-    step's own rounds continue from there."""
-    thread, ahead, _ = started
-    thread.join()
-    e = ahead.pop("error", None)
-    if isinstance(e, EngineFailure):
-        print(f"warning: {e} during the update; the next step decodes its rounds itself",
-              file=sys.stderr, flush=True)
-    elif e is not None:
-        raise e
-    return ahead
-
-
 # ------------------------------------------------------------------------- models, engine, evaluation
 
 def load_models(cfg: Config, resume_from: str | None, world: int):
@@ -504,6 +343,64 @@ def stop_on_signals(lead: bool, state: RunState) -> list[str]:
     return stop
 
 
+def start(cfg: Config) -> tuple:
+    """Checks, placement, the memory plan, torchrun's ranks: (rank, world, lead, threads, plan, engine memory);
+    plan None for --plan, which prints the plan for the WORLD_SIZE ranks torchrun would start and starts
+    nothing."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    model_config = model_lib.model_config(cfg.model, cfg.rope_scaling_factor, cfg.rope_original_max_positions)
+    check_context(cfg, model_config)
+    check_routing(cfg, model_config)
+    place(cfg, model_config, local_ranks)
+    check_overlap(cfg)
+    fit_parallelism(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_config)
+    if cfg.plan:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(plan_lib.report(memory_plan(cfg, world, model_config), cfg, world), flush=True)
+        return 0, world, False, 0, None, 0.0
+    rank, world = setup_distributed(cfg)
+    threads = set_threads(cfg.threads, local_ranks)
+    plan, capacity = memory_plan(cfg, world, model_config), plan_lib.device_bytes(cfg.device, cfg.device_memory)
+    engine_mem = plan_lib.engine_memory(plan, cfg, capacity)
+    if rank == 0:
+        print(json.dumps(dataclasses.asdict(cfg)), flush=True)
+        print(placement_line(cfg, world, local_ranks, engine_mem), flush=True)
+    if why := plan_lib.problems(plan, cfg, capacity, colocated=not cfg.rollout_gpus):
+        raise ValueError("the run cannot fit (python train.py ... --plan shows the items):\n  " + "\n  ".join(why))
+    os.umask(0o077)  # what the run writes is its own: checkpoints and samples hold the data's answers
+    return rank, world, rank == 0, threads, plan, engine_mem
+
+
+def load_data(cfg: Config, lead: bool) -> tuple[list[dict], list[dict]]:
+    """Rank 0's training and held-out rows (other ranks: none); a run whose rows run model output as code
+    stops here when this machine cannot isolate it."""
+    if not lead:
+        return [], []
+    keys = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, default_verifier=cfg.default_verifier)
+    rows = data.load_prompts(cfg.data, cfg.seed, **keys)
+    evaluating = bool(cfg.eval_data and cfg.eval_every)
+    eval_rows = data.load_prompts(cfg.eval_data, cfg.seed, True, cfg.eval_n, **keys) if evaluating else []
+    if any(r["verifier"] in ("code", "rg") for r in rows + eval_rows) and (why := sandbox.available()):
+        raise ValueError(why)  # model output that may run as code is never scored unisolated
+    return rows, eval_rows
+
+
+def replay_routing(cfg: Config, lm, ref_lm) -> None:
+    """--routing-replay true: the trainer's forwards route as the engine did (record: they only compare)."""
+    for module in (lm, ref_lm) if cfg.routing_replay != "false" else ():
+        if module is not None:
+            model_lib.Routing.of(module).swap = cfg.routing_replay == "true"
+
+
+def startup_metrics(load_peak_mib: float, plan: plan_lib.Plan) -> dict:
+    """What the first metrics.jsonl record holds once: loading's host peak and the plan's totals."""
+    out = {"memory/load_host_mib": load_peak_mib, "memory/plan_trainer_mib": plan.trainer_total / 2**20}
+    if "offloaded optimizer state" in plan.host:
+        out["memory/plan_offloaded_mib"] = plan.host["offloaded optimizer state"] / 2**20
+    return out
+
+
 def save_checkpoint(path: str, **kw) -> None:
     """checkpoint.save, with a refused write (full disk, read-only --out) reported as what it is: the
     unfinished step_N.tmp is removed, and the message says what is safe."""
@@ -518,36 +415,11 @@ def save_checkpoint(path: str, **kw) -> None:
 
 # -------------------------------------------------------------------------------------------- main
 
-# A test switch: from this step on the engine gets no new weights, as when a sync silently fails to land (the
-# engine/trainer check must then stop the run). 0, the default: every sync happens.
-NO_SYNC_FROM = int(os.environ.get("ULORL_TEST_NO_SYNC_FROM", "0"))
-
-
-def main(cfg: Config, engine_hook=None) -> None:
-    """The run. `engine_hook(engine) -> engine` may wrap rank 0's rollout engine (bench.py counts its work)."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    model_config = model_lib.model_config(cfg.model, cfg.rope_scaling_factor, cfg.rope_original_max_positions)
-    check_context(cfg, model_config)
-    check_routing(cfg, model_config)
-    place(cfg, model_config, local_ranks)
-    check_overlap(cfg)
-    fit_parallelism(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_config)
-    if cfg.plan:  # for the WORLD_SIZE trainer ranks torchrun would start (1 without it); nothing is started
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(plan_lib.report(memory_plan(cfg, world, model_config), cfg, world), flush=True)
+def main(cfg: Config) -> None:
+    """The run: set-up, then the RL loop, one step in the papers' order."""
+    rank, world, lead, threads, plan, engine_mem = start(cfg)
+    if plan is None:  # --plan: printed, nothing started
         return
-    rank, world = setup_distributed(cfg)
-    lead = rank == 0
-    threads = set_threads(cfg.threads, local_ranks)
-    plan, capacity = memory_plan(cfg, world, model_config), plan_lib.device_bytes(cfg.device, cfg.device_memory)
-    engine_mem = plan_lib.engine_memory(plan, cfg, capacity)
-    if lead:
-        print(json.dumps(dataclasses.asdict(cfg)), flush=True)
-        print(placement_line(cfg, world, local_ranks, engine_mem), flush=True)
-    if why := plan_lib.problems(plan, cfg, capacity, colocated=not cfg.rollout_gpus):
-        raise ValueError("the run cannot fit (python train.py ... --plan shows the items):\n  " + "\n  ".join(why))
-    os.umask(0o077)  # what the run writes is its own: checkpoints and samples hold the data's answers
     resume_from = checkpoint.find_resume(cfg.resume, cfg.out, cfg.overwrite)  # --out is checked before loading
     out_lock = checkpoint.lock_out(cfg.out) if lead else None  # one run per --out, until this process ends
     if lead and cfg.overwrite and (gone := checkpoint.clear_run(cfg.out)):
@@ -555,21 +427,12 @@ def main(cfg: Config, engine_hook=None) -> None:
     model_lib.barrier()
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed + rank)
-    keys = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, default_verifier=cfg.default_verifier)
-    rows = data.load_prompts(cfg.data, cfg.seed, **keys) if lead else []  # data before models: a bad row stops
-    evaluating = bool(cfg.eval_data and cfg.eval_every)
-    eval_rows = data.load_prompts(cfg.eval_data, cfg.seed, True, cfg.eval_n, **keys) if evaluating and lead else []
-    if any(r["verifier"] in ("code", "rg") for r in rows + eval_rows) and (why := sandbox.available()):
-        raise ValueError(why)  # model output that may run as code is never scored unisolated
+    rows, eval_rows = load_data(cfg, lead)  # data before models: a bad row stops the run at once
     host_before = plan_lib.reset_host_peak()
     policy, ref, lm, ref_lm, tokenizer, masters = load_models(cfg, resume_from, world)
-    for module in (lm, ref_lm) if cfg.routing_replay != "false" else ():  # the engine's experts in their forwards
-        if module is not None:
-            model_lib.Routing.of(module).swap = cfg.routing_replay == "true"
+    replay_routing(cfg, lm, ref_lm)
     load_peak = model_lib.all_max(plan_lib.host_peak() - host_before) / 2**20  # MiB, the largest rank's
     engine = rollout_engine(cfg, lm, tokenizer, resume_from or cfg.model, world, engine_mem) if lead else None
-    if engine_hook is not None and engine is not None:
-        engine = engine_hook(engine)
     opt = torch.optim.AdamW(masters.parameters() if masters else policy.parameters(), lr=cfg.lr,
                             weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(ulorl.lr_factor, cfg=cfg))
@@ -581,9 +444,8 @@ def main(cfg: Config, engine_hook=None) -> None:
                              engine=engine, pools=pools, state=state, cfg=cfg, git=logs.git_hash())
     if resume_from:
         checkpoint.load(resume_from, opt, sched, engine, pools, state, masters)
-    startup = {"memory/load_host_mib": load_peak, "memory/plan_trainer_mib": plan.trainer_total / 2**20}  # logged once
-    if "offloaded optimizer state" in plan.host:
-        startup["memory/plan_offloaded_mib"] = plan.host["offloaded optimizer state"] / 2**20
+    rollouts = Rollouts(engine, pools, rows, state, tokenizer, sampling, cfg, judge) if lead else None
+    startup = startup_metrics(load_peak, plan)  # logged once, with the first record
     if lead:
         if resume_from:
             print(f"resumed from {resume_from} at step {state.step}", flush=True)
@@ -592,41 +454,29 @@ def main(cfg: Config, engine_hook=None) -> None:
             log.record({**evaluate_before_training(engine, tokenizer, eval_rows, cfg, judge, state), **startup})
             startup = {}
     stop = stop_on_signals(lead, state)
-    step_times, too_long = [], set()
+    step_times = []
     while state.step < cfg.steps:
         t0, step = time.time(), state.step + 1
-        # the step's metrics.jsonl record: rollout counts first, then the update's, the evaluation's, timing
-        # --overlap: this step's rollout was decoded during the last update, by the weights before it
-        ahead, state.prefetched = state.prefetched, {}
-        record: dict = ahead.get("record") or new_record(pools)
-        groups, probing, rewards = None, False, ahead.get("rewards", [])
-        if lead and cfg.overlap:  # how many versions behind the trainer's the weights that decoded the rounds were
-            record["staleness/engine_lag"] = state.version - ahead.get("version", state.version)
-        if lead:  # 1-4. rollout until enough informative complete groups are ready (after a prefetched rollout
-            # only when the engine failed during it)
+
+        # 1-4. rollout: segments of unfinished and new samples, rewards, dynamic sampling, until enough groups
+        batch = None
+        if lead:
             try:
-                rollout_until_ready(engine, pools, rows, state, tokenizer, sampling, cfg, record, rewards, judge,
-                                    too_long, state.version)
+                batch = rollouts.next()
             except EngineFailure:
-                if ahead:  # the part decoded during the last update stays this step's
-                    state.prefetched = {"record": record, "rewards": rewards, "version": ahead["version"]}
                 if world == 1:  # under torchrun a checkpoint needs every rank: the newest periodic one resumes
                     save(os.path.join(cfg.out, f"step_{state.step:06d}"))
                 raise
-            groups, state.ready = state.ready[:cfg.train_groups], state.ready[cfg.train_groups:]
-            if cfg.is_mode == "tois":  # every trained token from the weights being updated: no group waits a step
-                record["rollout/dropped_surplus_groups"], state.ready = len(state.ready), []
-            # --overlap: no trained token of the current weights, so the engine decodes a probe for the gap check
-            probing = cfg.overlap and not any(v == state.version for g in groups for s in g for v in s.versions)
         t_roll = time.time() - t0
-        inflight = prefetch(engine, pools, rows, state, tokenizer, sampling, cfg, judge, too_long,
-                            groups if probing else None, step) \
-            if lead and cfg.overlap else None  # the next step's rollout (the probe first), during this update
-        groups, probing, stop_now = model_lib.broadcast((groups, probing, stop[0] if stop else ""))
+        if lead and cfg.overlap:  # the next step's rollout (the probe first) decodes during this update
+            rollouts.start_next(batch, step)
+        groups, probing, stop_now = model_lib.broadcast((batch.groups, batch.probing, stop[0] if stop else "")
+                                                        if lead else None)
+        record = batch.record if lead else {}  # the step's metrics.jsonl record: the rollout's counts first
         # every rank takes the probe when the update asks for it (after its own pass over the batch)
-        probe = (lambda: model_lib.broadcast(await_probe(inflight) if lead else None)) if probing else None
+        probe = (lambda: model_lib.broadcast(rollouts.probe() if lead else None)) if probing else None
 
-        # 5-6. old/reference log-probs, DMMPT mask, the update (each rank its share)
+        # 5-6. pi_old, reference log-probs and DMMPT mask, the clipped loss, the optimizer (each rank its share)
         if lead:
             engine.pause()  # vLLM sharing the trainer's GPU sleeps meanwhile
         record.update(ulorl.update(policy, ref, opt, sched, groups, state.version, tokenizer.pad_token_id, cfg,
@@ -639,28 +489,26 @@ def main(cfg: Config, engine_hook=None) -> None:
             ulorl.reset_reference(lm, ref_lm, opt, ref)  # ProRL: reference <- policy, fresh AdamW moments
             record["train/ref_reset"] = 1
 
-        # 7. the new weights reach the engine; unfinished samples continue under them
-        if inflight is not None:  # between engine calls: the rollout decoded meanwhile ends first
-            t_wait = time.time()
-            state.prefetched = collect(inflight)
-            record["time/engine_wait_s"] = time.time() - t_wait  # how long the trainer waited for the engine
+        # 7. the new weights reach the engine (after the rollout decoding ahead ended); unfinished samples continue
+        if lead and cfg.overlap:
+            record["time/engine_wait_s"] = rollouts.join()  # how long the trainer waited for the engine
         if lead:
             engine.resume()
-        if record["train/optimizer_steps"] and not 0 < NO_SYNC_FROM <= step:
+        if record["train/optimizer_steps"]:
             t_sync = time.time()
             sync_weights(engine, lm, cfg.dtype, cfg.rollout_replicas or 1)
             record["time/sync_s"] = time.time() - t_sync
         state.step = step
 
         # 8. evaluate (ProRL also resets when held-out accuracy stalls), log, checkpoint
-        if evaluating and (step == cfg.steps or step % cfg.eval_every == 0):
+        if cfg.eval_data and cfg.eval_every and (step == cfg.steps or step % cfg.eval_every == 0):
             if lead:
                 record.update(held_out(engine, tokenizer, eval_rows, cfg, judge))
             if model_lib.broadcast(lead and ulorl.stalled(state, record["eval/accuracy"], cfg.ref_reset_on_stall)):
                 ulorl.reset_reference(lm, ref_lm, opt, ref)
                 record["train/ref_reset"] = 1
         if lead:
-            record.update(step_metrics(step, groups, rewards, t_roll, record), **startup)
+            record.update(step_metrics(step, groups, batch.rewards, t_roll, record), **startup)
             startup = {}
             if cfg.dump_samples:
                 log.dump_samples(groups, step, tokenizer, cfg.dump_samples)

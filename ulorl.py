@@ -1,12 +1,12 @@
 """The paper-to-code index, and the algorithm of one RL step after the rollout: dynamic sampling,
 advantages, the token masks (overlong filtering, DMMPTs), the update (`update`: old and reference log-probs,
 the global token denominator, the loss, the optimizer steps, the NaN skip) and ProRL's reference/optimizer
-reset. One RL step reads train.py (the loop) -> segment_rollout.py -> ulorl.py -> loss.py.
+reset. One RL step reads train.py (the loop) -> rollouts.py -> segment_rollout.py -> ulorl.py -> loss.py.
 
 Where each part of the papers lives (every paper number is a flag default or a preset in config.py):
 
   UloRL (arXiv 2507.19766)
-    3.1 segment rollout, Algorithm 1 ...... segment_rollout.rollout_step, Pools; train.rollout_until_ready;
+    3.1 segment rollout, Algorithm 1 ...... segment_rollout.rollout_step, Pools; rollouts.Rollouts;
                                             --segments (8), --max-response-len (131072)
     3.1 speed 1240 s -> 601 s (4 segs) ..... bench.py segments
     3.1 TOIS / SAIS / POIS ................ loss.old_logprobs, used in prepare() below; --is-mode (pois)
@@ -55,6 +55,15 @@ from model import MicroBatch
 
 
 @dataclass
+class Prefetched:
+    """--overlap 1: the next step's rollout as far as it ran during the last update (its samples are in the pools
+    and `ready`): what that step continues from, and what a checkpoint keeps of it."""
+    record: dict  # the step's metrics.jsonl record so far
+    rewards: list  # (verifier, reward) of every sample rewarded in it
+    version: int  # the policy version whose weights decoded it
+
+
+@dataclass
 class RunState:
     """Where a run stands between steps (a checkpoint saves it beside the pools)."""
     step: int = 0  # RL steps done
@@ -66,9 +75,7 @@ class RunState:
     best_eval: float | None = None  # the best held-out accuracy so far (--ref-reset-on-stall)
     evals_since_best: int = 0  # evaluations since it last improved, or since the last reset
     engine_kl: list = field(default_factory=list)  # the last steps' rollout/engine_kl (engine_gap_check)
-    prefetched: dict = field(default_factory=dict)  # --overlap: the next step's rollout, decoded during the last
-    # update (its samples in the pools and `ready`): its record so far, its (verifier, reward) pairs and the policy
-    # version that decoded it ({}: none)
+    prefetched: Prefetched | None = None  # --overlap: the next step's rollout, decoded during the last update
 
 
 def dynamic_sampling(groups: list[list], enabled: bool) -> tuple[list[list], int]:
@@ -78,6 +85,17 @@ def dynamic_sampling(groups: list[list], enabled: bool) -> tuple[list[list], int
         return groups, 0
     kept = [g for g in groups if len({s.reward for s in g}) > 1]
     return kept, len(groups) - len(kept)
+
+
+def take_groups(state: RunState, cfg) -> tuple[list[list], int | None]:
+    """The step's --train-groups groups, first ready first trained; the rest wait for the next step, except under
+    TOIS, where every trained token must come from the weights being updated: they are dropped. Returns (groups,
+    how many were dropped: None when none can be)."""
+    groups, state.ready = state.ready[:cfg.train_groups], state.ready[cfg.train_groups:]
+    if cfg.is_mode != "tois":
+        return groups, None
+    dropped, state.ready = len(state.ready), []
+    return groups, dropped
 
 
 def sample_advantages(groups: list[list]) -> torch.Tensor:

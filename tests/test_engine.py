@@ -225,7 +225,7 @@ def test_replicas_return_what_one_engine_returns_and_learn_what_requests_use(tok
 def test_a_rollout_decoded_during_the_update_keeps_its_replicas_idle_share(tok, lm):
     """--overlap: the step's rollout ran during the last update and recorded the replicas' idle share; the
     step's own rollout call, which has nothing left to decode, leaves it (the replicas were not called since)."""
-    import train
+    import rollouts
     from config import parse_config
     from segment_rollout import Pools
     from ulorl import RunState
@@ -233,8 +233,7 @@ def test_a_rollout_decoded_during_the_update_keeps_its_replicas_idle_share(tok, 
     both.generate([ids(tok, p) for p in PROMPTS[:2]], [4, 4], Sampling(1.0), keys=[1, 2])
     idle = both.idle()
     assert idle is not None
-    record = {**train.new_record(Pools()), "rollout/rounds": 3, "rollout/replica_idle": idle}
+    record = {**rollouts.new_record(Pools()), "rollout/rounds": 3, "rollout/replica_idle": idle}
     cfg = parse_config(["--train-groups", "1"])
-    train.rollout_until_ready(both, Pools(), [], RunState(ready=[[]]), tok, Sampling(1.0), cfg, record, [], None,
-                              set(), 0)
+    rollouts.Rollouts(both, Pools(), [], RunState(ready=[[]]), tok, Sampling(1.0), cfg, None).until_ready(record, [], 0)
     assert record["rollout/rounds"] == 3 and record["rollout/replica_idle"] == idle

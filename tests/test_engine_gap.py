@@ -55,9 +55,21 @@ def test_p99_from_the_histogram_is_within_a_bin_of_the_exact_quantile():
     assert exact <= got * 1.15 and got <= exact * 1.3, (got, exact)
 
 
-def train(out, *extra, env=None):
-    proc = run([sys.executable, "train.py", *BF16_VLLM, "--out", str(out), *extra], timeout=900,
-               env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+# train.py whose engine gets no new weights from the Nth sync on (argv[1]), as when a sync silently fails to land
+STALE = ("import sys\nimport train\n"
+         "syncs, real, last = [0], train.sync_weights, int(sys.argv.pop(1))\n"
+         "def sync(*args):\n"
+         "    syncs[0] += 1\n"
+         "    if syncs[0] < last:\n"
+         "        real(*args)\n"
+         "train.sync_weights = sync\n"
+         "train.main(train.parse_config())\n")
+
+
+def train(out, *extra, stale_from: int = 0):
+    script = ["-c", STALE, str(stale_from)] if stale_from else ["train.py"]
+    proc = run([sys.executable, *script, *BF16_VLLM, "--out", str(out), *extra], timeout=900,
+               env=dict(os.environ, OMP_NUM_THREADS="1"))
     recs = []
     if os.path.exists(os.path.join(out, "metrics.jsonl")):
         with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -77,7 +89,7 @@ def test_a_healthy_bf16_run_passes_and_a_stale_engine_stops_it(tmp_path):
     assert len(kl) == 6 and all(0 < k < 1e-3 for k in kl), kl
     for r in recs:
         assert r["rollout/logprob_diff_mean"] <= r["rollout/logprob_diff_p99"] <= r["rollout/logprob_diff_max"]
-    proc, recs = train(tmp_path / "stale", "--steps", "6", env={"ULORL_TEST_NO_SYNC_FROM": "3"})
+    proc, recs = train(tmp_path / "stale", "--steps", "6", stale_from=3)
     assert proc.returncode != 0
     assert [r["step"] for r in recs] == [1, 2, 3]  # step 4 stopped before its update, and logged nothing
     assert "the engine is stale" in proc.stderr and "stopping before the update" in proc.stderr, proc.stderr[-2000:]
