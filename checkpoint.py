@@ -365,9 +365,9 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
     copies them into the module."""
     with open(os.path.join(path, "ulorl_state.json")) as f:
         saved = json.load(f)
-    if saved.get("world_size", 1) != model_lib.world():
-        raise ValueError(f"--resume {path}: saved by {saved.get('world_size', 1)} trainer process(es), resumed "
-                         f"with {model_lib.world()}; run with --nproc-per-node {saved.get('world_size', 1)}")
+    if saved["world_size"] != model_lib.world():
+        raise ValueError(f"--resume {path}: saved by {saved['world_size']} trainer process(es), resumed "
+                         f"with {model_lib.world()}; run with --nproc-per-node {saved['world_size']}")
     trainer = torch.load(os.path.join(path, f"trainer_state_rank{model_lib.rank()}.pt"), weights_only=True)
     load_optimizer(opt, trainer["optimizer"])
     if trainer.get("masters") is not None:
@@ -384,7 +384,7 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
     random.setstate((version, tuple(internal), gauss))
     p = saved["pools"]
     pools.unfinished = [Sample(**d) for d in p["unfinished"]]
-    for d in p.get("experience", p.get("finished", [])):  # "finished": the pool's name before it was renamed
+    for d in p["experience"]:
         pools.experience.setdefault(d["group"], []).append(Sample(**d))
     pools.next_uid, pools.next_group = p["next_uid"], p["next_group"]
     for f in dataclasses.fields(RunState):  # step, version, cursor, ...; ready groups are with the pools

@@ -476,6 +476,23 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
+def varlen_options(varlen_attn, scale: float | None, head_dim: int, grouped: bool) -> dict:
+    """varlen_attn's causal, scale and grouped-query arguments in the names this torch gives them: torch 2.13
+    asks for enable_gqa=True before it takes fewer KV than query heads; 2.11 has no such argument (its kernel
+    takes grouped KV heads as they are); 2.10 says is_causal where later ones take window_size (-1, 0)."""
+    import inspect
+    params = inspect.signature(varlen_attn).parameters
+    out = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "scale" in params:
+        out["scale"] = scale
+    elif scale is not None and abs(scale - head_dim ** -0.5) > 1e-6 * head_dim ** -0.5:
+        raise ValueError(f"this torch's varlen_attn takes no scale; the model's attention scale {scale} is not "
+                         f"1/sqrt(head_dim): use --attn-implementation sdpa")
+    if grouped and "enable_gqa" in params:
+        out["enable_gqa"] = True
+    return out
+
+
 def _attend(query, key, value, cu_seqlens, max_seqlen, scaling, kernel: str, masks: dict | None = None) -> torch.Tensor:
     """Causal attention within each packed sequence: [1, heads, L, D] (key/value: fewer heads, GQA) -> same.
     sdpa's mask is additive, made once per forward and kept in `masks` for every layer: given a boolean one,
@@ -484,8 +501,8 @@ def _attend(query, key, value, cu_seqlens, max_seqlen, scaling, kernel: str, mas
     if kernel == "varlen":
         from torch.nn.attention.varlen import varlen_attn
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, heads, D]
-        out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling, window_size=(-1, 0),
-                          enable_gqa=True)
+        out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                          **varlen_options(varlen_attn, scaling, query.shape[-1], query.shape[1] != key.shape[1]))
         return out.transpose(0, 1)[None]
     masks = {} if masks is None else masks
     if query.dtype not in masks:  # [L, L]: on CPU, and in the GPU check against varlen

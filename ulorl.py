@@ -167,6 +167,19 @@ def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg) -> li
 
 
 GAP_BINS = (-12.0, 2.0, 280)  # log10 |trainer - engine log-prob| from 1e-12 to 100 nats, 20 bins a decade
+# The engine/trainer KL leaves out its GAP_OUTLIERS largest tokens: one bf16 MoE token 3.5 nats off adds
+# e^3.5 - 4.5 = 28.6 to the sum, 0.11 a token over --overlap's 256-token probe, past --max-engine-kl, while an
+# engine that missed a sync is off on many (trimming 1% instead hid most of a stale tiny engine's KL: 30x -> 7x)
+GAP_OUTLIERS = 2
+
+
+def trimmed_kl(kl_sum: float, n: int, largest: list[float]) -> float | None:
+    """The mean per-token KL of `n` tokens whose k3 values add up to `kl_sum`, without the GAP_OUTLIERS largest
+    (`largest`: at least those); None without tokens."""
+    if not n:
+        return None
+    k = min(GAP_OUTLIERS, len(largest)) if n > 2 * GAP_OUTLIERS else 0
+    return max(kl_sum - sum(sorted(largest, reverse=True)[:k]), 0.0) / (n - k)
 
 
 @torch.no_grad()
@@ -175,10 +188,11 @@ def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg) -> tu
     log-probs for every token under POIS, for the tokens these weights sampled under TOIS/SAIS), the
     reference's log-probs for the KL, entropy and the token masks; and how far the engine's behaviour
     log-probs are from the trainer's on the tokens these very weights sampled.
-    Returns (sums for the metrics, the largest engine/trainer gap, a histogram of the gaps (GAP_BINS))."""
+    Returns (sums for the metrics, the largest engine/trainer gap, a histogram of the gaps (GAP_BINS), the
+    GAP_OUTLIERS largest per-token KLs)."""
     stats = {"entropy": 0.0, "tokens": 0, "loss_tokens": 0, "pg_tokens": 0, "diff_sum": 0.0, "diff_n": 0,
              "kl_sum": 0.0, "route_differ": 0, "route_compared": 0}
-    diff_max, hist = 0.0, torch.zeros(GAP_BINS[2], dtype=torch.float64)
+    diff_max, hist, top = 0.0, torch.zeros(GAP_BINS[2], dtype=torch.float64), torch.zeros(0, dtype=torch.float64)
     for mbs in minis:
         for mb in mbs:
             # --routing-replay: the positions these weights routed in the engine, compared with the trainer's router
@@ -205,9 +219,11 @@ def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg) -> tu
                 stats["diff_sum"] += d.abs().sum().item()
                 stats["diff_n"] += d.numel()
                 # KL(engine || trainer) per token, k3 on the engine's own samples: unbiased, never negative
-                stats["kl_sum"] += (d.clamp(max=30).exp() - 1 - d).sum().item()
+                k3 = d.clamp(max=30).exp() - 1 - d
+                stats["kl_sum"] += k3.sum().item()
+                top = torch.cat([top, k3.cpu()]).topk(min(GAP_OUTLIERS, top.numel() + k3.numel())).values
                 hist += torch.histc(d.abs().clamp(1e-12, 99.0).log10().cpu(), GAP_BINS[2], *GAP_BINS[:2])
-    return stats, diff_max, hist
+    return stats, diff_max, hist, top.tolist()
 
 
 def quantile(hist: torch.Tensor, q: float) -> float:
@@ -322,16 +338,17 @@ def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: in
     Returns the step's training metrics."""
     samples = [s for g in groups for s in g]
     minis = plan_micro_batches(samples, sample_advantages(groups), pad_id, cfg)
-    stats, diff_max, gap_hist = prepare(policy, ref, minis, version, cfg)
+    stats, diff_max, gap_hist, top = prepare(policy, ref, minis, version, cfg)
     if probe is not None and (probes := probe()):  # their log-probs beside the engine's: only the gap's sums kept
-        extra, extra_max, extra_hist = prepare(
+        extra, extra_max, extra_hist, extra_top = prepare(
             policy, None, plan_micro_batches(probes, torch.zeros(len(probes)), pad_id, cfg), version, cfg)
         for k in ("diff_sum", "diff_n", "kl_sum", "route_differ", "route_compared"):
             stats[k] += extra[k]
-        diff_max, gap_hist = max(diff_max, extra_max), gap_hist + extra_hist
+        diff_max, gap_hist, top = max(diff_max, extra_max), gap_hist + extra_hist, top + extra_top
     stats, diff_max = model_lib.all_sum(stats), model_lib.all_max(diff_max)  # every rank's, before the check
     gap_hist = model_lib.all_sum_tensor(gap_hist)
-    engine_kl = stats["kl_sum"] / stats["diff_n"] if stats["diff_n"] else None
+    top = [x for rank_top in model_lib.gather_objects(top) for x in rank_top]
+    engine_kl = trimmed_kl(stats["kl_sum"], stats["diff_n"], top)
     if engine_kl is not None:
         engine_gap_check(engine_kl, diff_max, cfg, [] if recent_kl is None else recent_kl)
     totals, ratio_max, skipped, grad_norm = optimize(policy, opt, sched, minis, cfg, masters)

@@ -47,6 +47,26 @@ def test_the_check_compares_with_the_recent_median_and_a_ceiling():
     ulorl.engine_gap_check(50.0, 100.0, off, [1e-9])
 
 
+def test_one_or_two_bf16_outliers_do_not_stop_the_run_and_a_stale_engine_does():
+    """--overlap measures the gap on the probe alone, 256 tokens: one token 3.5 nats off (reported for bf16 MoE
+    models) added 28.6 to the KL sum, 0.11 a token, past --max-engine-kl 0.1; one 2-nat token passed 10x a 1e-3
+    median. The KL leaves out its largest tokens; an engine that missed a sync is off on all of them."""
+    cfg = parse_config([])
+    noise = torch.full((254,), 1e-3)  # log-prob gaps of bf16 noise, k3 ~ d^2 / 2
+    k3 = lambda d: (d.exp() - 1 - d).double()  # noqa: E731
+    for outliers in ([3.5], [3.5, -2.0], [2.0]):
+        d = torch.cat([noise, torch.tensor(outliers)])
+        kl = ulorl.trimmed_kl(k3(d).sum().item(), d.numel(), k3(d).topk(2).values.tolist())
+        assert kl < 1e-5, (outliers, kl)
+        ulorl.engine_gap_check(kl, 3.5, cfg, [1e-3] * 10)  # neither test fires
+    stale = torch.full((256,), 0.05)  # one update behind: every token off
+    kl = ulorl.trimmed_kl(k3(stale).sum().item(), 256, k3(stale).topk(2).values.tolist())
+    assert kl == pytest.approx(k3(stale[:1]).item(), rel=1e-6)
+    with pytest.raises(RuntimeError, match="the engine is stale"):
+        ulorl.engine_gap_check(kl, 0.05, cfg, [1e-6] * 10)
+    assert ulorl.trimmed_kl(0.0, 0, []) is None and ulorl.trimmed_kl(3.0, 3, [1.0, 1.0, 1.0]) == 1.0
+
+
 def test_p99_from_the_histogram_is_within_a_bin_of_the_exact_quantile():
     gaps = torch.distributions.LogNormal(-6, 2).sample((100_000,)).double()
     hist = torch.histc(gaps.log10(), ulorl.GAP_BINS[2], *ulorl.GAP_BINS[:2])
@@ -93,6 +113,12 @@ def test_a_healthy_bf16_run_passes_and_a_stale_engine_stops_it(tmp_path):
     assert proc.returncode != 0
     assert [r["step"] for r in recs] == [1, 2, 3]  # step 4 stopped before its update, and logged nothing
     assert "the engine is stale" in proc.stderr and "stopping before the update" in proc.stderr, proc.stderr[-2000:]
+    # --overlap 1: after step 1 the 256-token probe alone measures the gap; it sees the engine fall behind as
+    # the updates it missed add up (measured: the 5th step without a sync stops, at 55x the median)
+    proc, recs = train(tmp_path / "stale-overlap", "--steps", "10", "--overlap", "1", "--is-mode", "sais",
+                       stale_from=3)
+    assert proc.returncode != 0 and 3 <= len(recs) <= 8, [r["step"] for r in recs]
+    assert "the engine is stale" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -79,6 +79,38 @@ def test_packed_kernel_gives_transformers_packed_forward(moe):
     assert torch.equal(lm(ids).logits, make(moe, "sdpa")(ids).logits)
 
 
+def test_varlen_is_called_as_each_torch_names_its_arguments(monkeypatch):
+    """The kernel is CUDA-only; its call is checked against the signatures torch has had: 2.13's (enable_gqa for
+    grouped KV heads), 2.11's (no enable_gqa: the kernel takes them as they are) and 2.10's (is_causal, no
+    scale). Each stand-in takes exactly its version's arguments, as the real one does."""
+    import torch.nn.attention.varlen as varlen
+    calls = []
+
+    def v213(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+             enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+        calls.append({"scale": scale, "window_size": window_size, "enable_gqa": enable_gqa})
+        return torch.zeros_like(q)
+
+    def v211(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        calls.append({"scale": scale, "window_size": window_size})
+        return torch.zeros_like(q)
+
+    def v210(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+        calls.append({"is_causal": is_causal})
+        return torch.zeros_like(q)
+
+    q, kv = torch.randn(1, 4, 9, 32), torch.randn(1, 2, 9, 32)  # 4 query heads, 2 KV heads
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    for fake in (v213, v211, v210):
+        monkeypatch.setattr(varlen, "varlen_attn", fake)
+        out = model_lib._attend(q, kv, kv, cu, 5, 32 ** -0.5, "varlen")
+        assert out.shape == q.shape
+    assert calls == [{"scale": 32 ** -0.5, "window_size": (-1, 0), "enable_gqa": True},
+                     {"scale": 32 ** -0.5, "window_size": (-1, 0)}, {"is_causal": True}]
+    with pytest.raises(ValueError, match="takes no scale"):
+        model_lib._attend(q, kv, kv, cu, 5, 0.5, "varlen")
+
+
 def _sp_worker(rank, world, port, moe, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
