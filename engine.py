@@ -26,6 +26,7 @@ import copy
 import importlib.util
 import os
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -317,8 +318,9 @@ class VLLMEngine:
                        tensor_parallel_size=tp, worker_extension_cls="weight_sync.WorkerExtension",
                        weight_transfer_config=WeightTransferConfig(backend=self.backend),
                        **({"enable_return_routed_experts": True} if routing else {}), **placement)
+        self.processes = descendants() - before if own_process else set()  # its scheduler and workers
         if on_cpu and own_process:
-            pin(descendants() - before, bound_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")))
+            pin(self.processes, bound_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")))
         self.tp, self.dtype, self.transfer = tp, getattr(torch, dtype), None
         self.asleep: set[str] = set()  # what of a sleeping engine's memory is not back yet: "weights", "kv_cache"
         self.seed = seed
@@ -364,8 +366,18 @@ class VLLMEngine:
             self.transfer = weight_sync.connect(self.llm, lm, self.backend, rank=0, engine_ranks=self.tp,
                                                 dtype=self.dtype)
         elif self.transfer.source.lm is not lm:  # another module than last time (tests; a reloaded trainer)
-            self.transfer.source = weight_sync.HFSource(lm, self.dtype)
-        weight_sync.send(self.transfer)
+            self.transfer.source = weight_sync.HFSource(lm, self.dtype, weight_sync.sender_device(self.backend))
+        try:
+            weight_sync.send(self.transfer, broadcast=self.backend != "ipc")
+        except weight_sync.SyncFailed as e:  # its workers wait in a broadcast that will never complete
+            for pid in self.processes:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            what = "was shut down" if self.processes else "holds broken weights"  # (in this process: zeros)
+            raise RuntimeError(f"{e}; the rollout engine {what}: resume from the newest checkpoint with "
+                               f"--resume auto") from e.__cause__
         self.wake(["kv_cache"])
         self.llm.reset_prefix_cache()
 

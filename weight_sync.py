@@ -23,6 +23,7 @@ backend there before the engine is created.
 """
 import math
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,11 +44,11 @@ TIMEOUT = timedelta(minutes=30)  # a rendezvous or one tensor's broadcast; a 30B
 
 class HFSource(WeightSource):
     """The trainer's module as vLLM reads it: checkpoint names and layout, in `dtype` (the engine's: no
-    point shipping fp32 master weights to a bf16 engine), a decoder layer at a time. Iterating is a
-    collective under FSDP: every trainer rank walks it in step."""
+    point shipping fp32 master weights to a bf16 engine), a decoder layer at a time, on `device`: the sender's
+    (sender_device). Iterating is a collective under FSDP: every trainer rank walks it in step."""
 
-    def __init__(self, lm, dtype: torch.dtype | None = None):
-        self.lm, self.dtype = lm, dtype
+    def __init__(self, lm, dtype: torch.dtype | None = None, device: torch.device | None = None):
+        self.lm, self.dtype, self.device = lm, dtype, device
         self._meta = [ParamMeta(name, dtype or t.dtype, tuple(t.shape))
                       for name, t in model_lib.hf_weights(lm, on_meta=True)]
 
@@ -55,7 +56,16 @@ class HFSource(WeightSource):
         return self._meta
 
     def __iter__(self):
-        yield from model_lib.hf_weights(self.lm, dtype=self.dtype)  # cast before the gather, as gather_only does
+        for name, t in model_lib.hf_weights(self.lm, dtype=self.dtype):  # cast before the gather, as gather_only
+            yield name, t if self.device is None or t.device == self.device else t.to(self.device)
+
+
+def sender_device(backend: str) -> torch.device | None:
+    """Where the tensors a sender gets must be: vLLM's NCCL sender takes tensors on the trainer's own GPU only
+    (its communicator asserts it), while an FSDP2 run with --offload-optimizer gathers its shards in host
+    memory. The packed CUDA-IPC sender copies any tensor into its buffer; gloo sends from host memory. None:
+    where they are."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
 
 
 class LLMClient:
@@ -85,16 +95,27 @@ class NoClient:
     updating = False
 
 
-def send(transfer) -> None:
+class SyncFailed(RuntimeError):
+    """A sync that failed while the engine's workers were receiving by broadcast (gloo, NCCL): they wait inside
+    a broadcast that will never complete, and so would any call to finish their update. The engine must be torn
+    down; the run stops with this error."""
+
+
+def send(transfer, broadcast: bool) -> None:
     """`transfer.send_weights()`, which calls start, update and finish on the workers with nothing around them:
-    one that fails after start (the trainer's side: packing, serialising, a CUDA error) leaves the workers
-    mid-update, refusing the next start, their layers half reloaded. They are finished before the error goes up
-    (a layer that received nothing gets its old weights back), and the error says the engine's weights are mixed."""
+    one that fails after start (the trainer's side: packing, an out-of-memory error, a CUDA error) leaves the
+    workers mid-update. Receiving by broadcast (`broadcast`: gloo, NCCL) they are blocked in it: SyncFailed,
+    for the caller to tear the engine down. Receiving by CUDA IPC they are not: they are finished before the
+    error goes up (a layer that received nothing gets its old weights back), and the error says the engine's
+    weights are mixed."""
     try:
         transfer.send_weights()
     except Exception as e:
         if not transfer.client.updating:
             raise
+        if broadcast:
+            raise SyncFailed(f"the weight sync failed while the engine's workers were receiving "
+                             f"({type(e).__name__}: {e})") from e
         transfer.client.finish_weight_update()
         raise RuntimeError("the weight sync failed after the engine's workers started the update; they finished it "
                            "with the tensors that had arrived, and hold a mix of old and new weights: sync again "
@@ -119,7 +140,7 @@ def connect(llm, lm, backend: str, rank: int, engine_ranks: int, dtype: torch.dt
     """The trainer side of the transfer, on every trainer rank (rank 0 drives the engine `llm`; the others
     take part in the gathers): a vLLM `TrainerWeightTransferEngine` whose `send_weights()` moves the weights
     of `lm` into the engine's `engine_ranks` workers. `ipc_buffer`: the packed CUDA-IPC buffer's least size."""
-    source = HFSource(lm, dtype)
+    source = HFSource(lm, dtype, sender_device(backend))
     if backend == "gloo":
         info = GlooTrainerInitInfo(rank=rank, port=free_port() if rank == 0 else 0, world_size=1 + engine_ranks)
     elif backend == "nccl":
@@ -227,15 +248,33 @@ class GlooTrainer(TrainerWeightTransferEngine):
             return
         meta = self.source.metadata()
         self.client.start_weight_update()
-        with ThreadPoolExecutor(1) as pool:
-            done = pool.submit(self.client.update_weights, {"names": [m.name for m in meta],
-                                                            "dtype_names": [str(m.dtype).split(".")[-1] for m in meta],
-                                                            "shapes": [list(m.shape) for m in meta]})
+        # the workers receive beside the broadcasts, in a thread nobody waits for if they fail: the workers are
+        # then blocked in a broadcast for good, and the caller tears the engine down (send)
+        failed = []
+        receiving = threading.Thread(target=lambda: self._receive(meta, failed), daemon=True)
+        receiving.start()
+        sent = 0
+        try:
             for (name, t), m in zip(self.source, meta):
                 assert name == m.name and tuple(t.shape) == m.shape, (name, m)
                 self.group.broadcast(t.detach().to("cpu").contiguous(), 0).wait()
-            done.result()
+                sent += 1
+        except BaseException:  # zeros for the rest, so that a worker in this process is not left blocked
+            for m in meta[sent:]:
+                self.group.broadcast(torch.zeros(m.shape, dtype=m.dtype), 0).wait()
+            raise
+        receiving.join()
+        if failed:
+            raise failed[0]
         self.client.finish_weight_update()
+
+    def _receive(self, meta: list[ParamMeta], failed: list) -> None:
+        try:
+            self.client.update_weights({"names": [m.name for m in meta],
+                                        "dtype_names": [str(m.dtype).split(".")[-1] for m in meta],
+                                        "shapes": [list(m.shape) for m in meta]})
+        except Exception as e:
+            failed.append(e)
 
 
 def register() -> None:

@@ -125,3 +125,54 @@ def test_batch_larger_than_the_token_budget(setup):
     ps = [p for p in prompts(tok, 5) for _ in range(20)]
     gens = engine.generate(ps, [2] * len(ps), SAMPLING)
     assert len(gens) == 100 and all(1 <= len(g.tokens) <= 2 for g in gens)
+
+
+# A trainer whose sync fails midway (an out-of-memory error while gathering the 4th tensor), with the engine in
+# this process (CPU, one process) or in a process of its own (argv[2] "own": as on GPUs, over NCCL there)
+MIDWAY = """import sys, time
+import model as model_lib
+import tiny
+from engine import VLLMEngine
+tok = tiny.make_tokenizer()
+lm = tiny.make_model(tok)
+engine = VLLMEngine(sys.argv[1], seed=0, dtype="float32", max_model_len=256, mem=0.25, device="cpu",
+                    own_process=sys.argv[2] == "own")
+real = model_lib.hf_weights
+def failing(module, **kw):
+    for i, item in enumerate(real(module, **kw)):
+        if i == 3 and not kw.get("on_meta"):
+            raise MemoryError("out of memory while gathering (stand-in)")
+        yield item
+model_lib.hf_weights = failing
+start = time.time()
+try:
+    engine.update_weights(lm)
+except RuntimeError as e:
+    print("failed after", f"{time.time() - start:.1f}", repr(e), repr(e.__cause__), sep="\t", flush=True)
+    raise SystemExit(1)
+"""
+
+
+@pytest.mark.parametrize("where", ["own", "here"])
+def test_a_sync_that_fails_midway_ends_the_run_with_its_error(tmp_path, where):
+    """The workers wait in the broadcast for tensors that never come: finishing their update, as a failed sync
+    used to, waited with them (for --dist-timeout, 30 minutes, on GPUs). Now the engine is torn down and the
+    trainer's error ends the run within seconds."""
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT, run
+    tok = tiny.make_tokenizer()
+    tiny.make_model(tok).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    try:
+        p = run([sys.executable, "-c", MIDWAY, str(tmp_path), where], timeout=180,
+                env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    except subprocess.TimeoutExpired:
+        pytest.fail("the failed sync hung")
+    assert p.returncode == 1, p.stderr[-3000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("failed after\t"))  # vLLM logs to stdout too
+    seconds, error, cause = line.split("\t")[1:]
+    assert float(seconds) < 30 and "the weight sync failed while the engine's workers were receiving" in error
+    assert ("the rollout engine was shut down" if where == "own" else "the rollout engine holds broken weights") \
+        in error and "out of memory while gathering" in cause

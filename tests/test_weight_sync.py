@@ -119,13 +119,15 @@ def test_ipc_handles_cross_vllms_msgpack_only_when_it_may_pickle(rig, monkeypatc
     lm = tiny_lm()
     llm = RecordingLLM(rig)
     with pytest.raises(RuntimeError, match="mix of old and new weights") as failed:
-        weight_sync.send(weight_sync.connect(llm, lm, "ipc", rank=0, engine_ranks=1, ipc_buffer=64 * 1024))
+        weight_sync.send(weight_sync.connect(llm, lm, "ipc", rank=0, engine_ranks=1, ipc_buffer=64 * 1024),
+                         broadcast=False)
     assert isinstance(failed.value.__cause__, TypeError) and "not serializable" in str(failed.value.__cause__)
     assert rig.calls == ["init_weight_transfer_engine", "start_weight_update", "finish_weight_update"]
 
     rig.calls.clear()
     monkeypatch.setenv(PICKLE, "1")
-    weight_sync.send(weight_sync.connect(llm, lm, "ipc", rank=0, engine_ranks=1, ipc_buffer=64 * 1024))
+    weight_sync.send(weight_sync.connect(llm, lm, "ipc", rank=0, engine_ranks=1, ipc_buffer=64 * 1024),
+                     broadcast=False)
     chunks = len(rig.handles)
     assert chunks > 1 and rig.calls == ["init_weight_transfer_engine", "start_weight_update",
                                         *["update_weights"] * chunks, "finish_weight_update"]
@@ -191,3 +193,21 @@ def test_colocated_engine_wakes_its_kv_cache_after_the_sync(rig):
     engine.generate([], [], Sampling())
     engine.generate([], [], Sampling())
     assert rig.calls == ["sleep 1", "wake weights", "empty_cache", "wake kv_cache", "generate", "generate"]
+
+
+def test_the_nccl_sender_gets_tensors_on_its_own_device_whatever_the_offload(monkeypatch):
+    """--offload-optimizer keeps FSDP2's shards in host memory, so the gathered weights came out on the CPU and
+    vLLM's NCCL sender, which asserts every tensor is on its communicator's device, failed at the first sync.
+    Here the trainer's module is on the CPU (as offloaded) and a stand-in sender checks the device as vLLM's
+    does; "meta" stands for the GPU this machine lacks."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert weight_sync.sender_device("nccl") == torch.device("cuda", 0)
+    assert weight_sync.sender_device("gloo") is None and weight_sync.sender_device("ipc") is None
+    device = torch.device("meta")
+    lm = tiny_lm()
+    source = weight_sync.HFSource(lm, torch.bfloat16, device)
+    names = []
+    for name, t in source:  # pynccl's broadcast: assert tensor.device == self.device
+        assert t.device == device and t.dtype == torch.bfloat16, (name, t.device)
+        names.append(name)
+    assert names == [m.name for m in source.metadata()] and len(names) == len(list(lm.parameters()))
