@@ -294,6 +294,7 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         own_process = own_process or not on_cpu  # on GPU always: CUDA IPC needs two processes
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own_process else "0"  # in-process: ~2 s start
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the console is the run's; vLLM's warnings show
         from vllm import LLM
         from vllm.config import WeightTransferConfig
         before = descendants()  # another replica's processes are not this one's
@@ -319,6 +320,8 @@ class VLLMEngine:
                        weight_transfer_config=WeightTransferConfig(backend=self.backend),
                        **({"enable_return_routed_experts": True} if routing else {}), **placement)
         self.processes = descendants() - before if own_process else set()  # its scheduler and workers
+        tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        self.llm.collective_rpc("quiet_expected_reload_warnings", args=(tied,))
         if on_cpu and own_process:
             pin(self.processes, bound_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")))
         self.tp, self.dtype, self.transfer = tp, getattr(torch, dtype), None

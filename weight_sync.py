@@ -21,6 +21,7 @@ skips. This file supplies the three pieces the trainer needs:
 vLLM's workers import this file (`WorkerExtension`, given as worker_extension_cls), which registers the gloo
 backend there before the engine is created.
 """
+import logging
 import math
 import socket
 import threading
@@ -289,6 +290,25 @@ def register() -> None:
 register()
 
 
+class ExpectedReloadWarnings(logging.Filter):
+    """vLLM's layerwise reload warns "<layer>: Failed to load weights" for every layer with a loadable tensor that
+    an update did not send. Two of them say nothing is wrong: RotaryEmbedding (its cos/sin cache is a buffer,
+    rebuilt from the config, in no checkpoint) and, with tied embeddings, ParallelLMHead (its weight is the
+    embedding's, which the update sends; GlooEngine re-applies its CPU repack). Any other layer's is shown."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.expected = {"RotaryEmbedding"} | ({"ParallelLMHead"} if tied else set())
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        layer, _, rest = record.getMessage().partition(": ")
+        return not (rest == "Failed to load weights" and layer in self.expected)
+
+
 class WorkerExtension:
     """vLLM's workers import this class (worker_extension_cls), and with it this file: the gloo backend is
-    then registered where the engine is created. It adds no methods."""
+    then registered where the engine is created."""
+
+    def quiet_expected_reload_warnings(self, tied: bool) -> None:
+        """Called on every worker (collective_rpc) once the engine is up."""
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(ExpectedReloadWarnings(tied))

@@ -52,6 +52,8 @@ class RecordingLLM:
 
     def __init__(self, rig, **kwargs):
         self.rig, self.kwargs, self.pickle_at_start = rig, kwargs, os.environ.get(PICKLE)
+        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(
+            hf_config=types.SimpleNamespace(tie_word_embeddings=True)))
         rig.llms.append(self)
 
     def collective_rpc(self, method, args=()):
@@ -178,6 +180,8 @@ def test_colocated_engine_wakes_its_kv_cache_after_the_sync(rig):
     """pause, resume, update_weights: weights awake before the sync, the trainer's cached memory freed after
     it, then the KV cache. A step that updated nothing: the next generate wakes the KV cache the same way."""
     engine = VLLMEngine("tiny", seed=0, dtype="float32", max_model_len=64, mem=0.1, device="cuda")
+    assert rig.calls == ["quiet_expected_reload_warnings"]
+    rig.calls.clear()
     lm = tiny_lm()
     engine.pause()
     engine.resume()
