@@ -492,6 +492,8 @@ def main(cfg: Config) -> None:
         # 7. the new weights reach the engine (after the rollout decoding ahead ended); unfinished samples continue
         if lead and cfg.overlap:
             record["time/engine_wait_s"] = rollouts.join()  # how long the trainer waited for the engine
+        if cfg.overlap:  # the other ranks wait for it here, with no timeout: in the sync's gathers NCCL's watchdog
+            model_lib.barrier()  # would end the run after --dist-timeout
         if lead:
             engine.resume()
         if record["train/optimizer_steps"]:

@@ -129,6 +129,37 @@ def test_vllm_in_its_own_process_under_torchrun(tmp_path):
     assert all(0 <= r["rollout/replica_idle"] < 1 for r in b) and "rollout/replica_idle" not in a[0]
 
 
+SLOW_ROLLOUT = """import sys, threading, time
+sys.path.insert(0, sys.argv.pop(1))
+import rollouts
+import train
+real = rollouts.Rollouts.until_ready
+def slow(self, *args):  # the rollout decoded during the update takes longer than --dist-timeout
+    if threading.current_thread().name == "rollout":
+        time.sleep(12)
+    return real(self, *args)
+rollouts.Rollouts.until_ready = slow
+if __name__ == "__main__":  # vLLM's engine process starts by spawn
+    train.main(train.parse_config())
+"""
+
+
+def test_a_rollout_overlapped_with_the_update_may_outlast_the_collective_timeout(tmp_path):
+    """--overlap 1 under torchrun: rank 0 waits for the rollout decoding beside the update before the sync, and
+    the other ranks used to wait for it inside the sync's gathers, where the collective timeout (NCCL's
+    watchdog on GPUs) ended the run once the rollout outlasted the update by --dist-timeout."""
+    pytest.importorskip("vllm")
+    script = tmp_path / "slow_rollout.py"
+    script.write_text(SLOW_ROLLOUT)
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+                ROOT, *ARGS, "--out", str(tmp_path / "run"), "--steps", "2", "--parallel", "fsdp", "--engine", "vllm",
+                "--overlap", "1", "--is-mode", "sais", "--dist-timeout", "5"], timeout=600,
+               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2]
+    assert all(r["time/engine_wait_s"] > 5 for r in records(tmp_path / "run")), records(tmp_path / "run")
+
+
 def test_two_nodes_train_like_two_local_ranks(runs, tmp_path):
     """torchrun --nnodes 2: two agents on 127.0.0.1, one trainer rank each (rank 0 on node 0 owns the engine):
     the same records and weights as the 2-rank run on one node."""
