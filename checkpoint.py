@@ -273,13 +273,19 @@ def run_files(out: str) -> list[str]:
         return []
     found = [n for n in ("metrics.jsonl", "samples.jsonl")
              if os.path.exists(os.path.join(out, n)) and os.path.getsize(os.path.join(out, n)) > 0]
-    return found + sorted(d for d in os.listdir(out) if d.startswith("step_") or d in ("tb", "wandb"))
+    return found + sorted(d for d in os.listdir(out) if d.startswith("step_") or d in TRACKERS)
+
+
+TRACKERS = ("tb", "wandb")  # --report-to's folders: their libraries' own (W&B links its latest run and logs)
 
 
 def refuse_links(out: str) -> None:
-    """--out may itself be a link, never hold one: a run writes its records, checkpoints and lock inside it,
-    and a planted link would make it write (the data's answers, or over another file) somewhere else."""
+    """--out may itself be a link, never hold one outside TRACKERS: a run writes its records, checkpoints and
+    lock inside it, and a planted link would make it write (the data's answers, or over another file)
+    somewhere else."""
     for d, dirs, names in os.walk(out):
+        if d == out:
+            dirs[:] = [x for x in dirs if x not in TRACKERS or os.path.islink(os.path.join(d, x))]
         for name in dirs + names:
             if os.path.islink(os.path.join(d, name)):
                 raise ValueError(f"--out {out}: {os.path.join(d, name)} is a symbolic link; a run writes only "

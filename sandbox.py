@@ -191,10 +191,10 @@ def _command(s: Setup, binds: list[str], fds: dict[str, int], command: list[str]
     inside (read-only, no mount: no host path shows)."""
     files = [arg for dest, fd in fds.items() if dest != "seccomp"
              for arg in ("--perms", "0444", "--file", str(fd), dest)]
-    tmp = ["--size", str(tmp_mb << 20), "--tmpfs", "/tmp"] if tmp_mb else []
     return [s.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1",
             "--uid", str(NOBODY), "--gid", str(NOBODY), "--cap-drop", "ALL", *binds,
-            "--proc", "/proc", "--dev", "/dev", *tmp, *files, "--chdir", "/tmp" if tmp_mb else "/",
+            "--proc", "/proc", "--dev", "/dev", "--size", str(tmp_mb << 20), "--tmpfs", "/tmp", *files,
+            "--chdir", "/tmp",
             "--remount-ro", "/dev", "--remount-ro", "/", "--seccomp", str(fds["seccomp"]),
             "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
             "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",

@@ -189,6 +189,11 @@ def test_report_to_tensorboard_and_wandb_offline(tmp_path):
     data = (out / "wandb" / run / log).read_bytes()  # history values are stored as JSON text
     for r in recs[1:]:
         assert json.dumps(r["reward/mean"]).encode() in data and json.dumps(r["loss/policy"]).encode() in data
+    # W&B links its latest run and logs inside --out/wandb: a resumed run still takes the folder
+    p = run_train("--steps", "3", "--eval-n", "16", "--report-to", "tensorboard,wandb", "--out", str(out),
+                  "--dump-samples", "0", "--resume", "auto")
+    assert p.returncode == 0 and any(os.path.islink(out / "wandb" / f) for f in os.listdir(out / "wandb")), \
+        p.stderr[-3000:]
     p = run_train("--steps", "1", "--out", str(tmp_path / "x"), "--report-to", "mlflow", timeout=60)
     assert p.returncode == 2 and "--report-to mlflow: must be none, tensorboard, wandb" in p.stderr
 
