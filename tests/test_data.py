@@ -1,7 +1,7 @@
 """data.py: loading rows from every source it takes (all offline, from files written here), the errors bad
 input raises (each naming the source, row and field), chat templating, and the training draw order.
 
-    python -m pytest tests/test_data.py -q
+    python -m pytest tests/test_data.py
 """
 import json
 import os
@@ -14,6 +14,7 @@ import pytest
 from tokenizers import processors
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import clean  # noqa: E402
 import data  # noqa: E402
 import tiny  # noqa: E402
 
@@ -283,13 +284,13 @@ def test_mix_follows_the_weights_and_keeps_verifiers():
     ("3+4=", False),
 ])
 def test_multi_question(prompt, flagged):
-    assert (data.multi_question(prompt) is not None) is flagged
+    assert (clean.multi_question(prompt) is not None) is flagged
 
 
 def test_long_answer():
-    assert data.long_answer(r"\begin{pmatrix}1 & 0\end{pmatrix}", 64) == "matrix or array answer"
-    assert data.long_answer("x" * 65, 64) == "answer of 65 characters > 64"
-    assert data.long_answer("x" * 64, 64) is None
+    assert clean.long_answer(r"\begin{pmatrix}1 & 0\end{pmatrix}", 64) == "matrix or array answer"
+    assert clean.long_answer("x" * 65, 64) == "answer of 65 characters > 64"
+    assert clean.long_answer("x" * 64, 64) is None
 
 
 def test_clean_cli_with_the_tiny_model(tmp_path, capsys):
@@ -302,7 +303,7 @@ def test_clean_cli_with_the_tiny_model(tmp_path, capsys):
     objs = [dict(r, id=i) for i, r in enumerate(rows + wrong + extra)]  # an extra column, kept in the output
     src = write_jsonl(tmp_path / "in.jsonl", objs)
     out = str(tmp_path / "out.jsonl")
-    data.main(["clean", src, out, "--model", tiny.CKPT, "--k", "4", "--majority-models", f"{tiny.CKPT},{tiny.CKPT}",
+    clean.main([src, out, "--model", tiny.CKPT, "--k", "4", "--majority-models", f"{tiny.CKPT},{tiny.CKPT}",
                "--max-tokens", "64", "--engine", "hf", "--temperature", "1.0"])
     report = json.load(open(str(tmp_path / "out.report.json")))
     reasons = {int(d["where"].rsplit(":", 1)[1]) - 1: d for d in report["dropped_rows"]}  # jsonl lines count from 1
