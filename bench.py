@@ -808,16 +808,17 @@ def _sp_worker(rank: int, world: int, port: int, lengths: list[int], rounds: int
     import torch.distributed as dist
 
     import model as model_lib
+    import seqpar
     import plan as plan_lib
     import tiny
     from segment_rollout import Sample
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    model_lib.init_sequence_parallel(world)
-    group = model_lib._sp_group
+    seqpar.init_sequence_parallel(world)
+    group = seqpar._sp_group
     lm = tiny.make_long_context_model(max(lengths))
-    lm.config._attn_implementation = model_lib.attention_name("sdpa", world)
+    lm.config._attn_implementation = seqpar.attention_name("sdpa", world)
 
     def seq(i, n):
         g = torch.Generator().manual_seed(i)
@@ -827,7 +828,7 @@ def _sp_worker(rank: int, world: int, port: int, lengths: list[int], rounds: int
         return s
 
     def step(variant, n):
-        model_lib._sp_group = group if variant == "sp" else None
+        seqpar._sp_group = group if variant == "sp" else None
         mbs = [[seq(0, n)], [seq(1, n)]] if variant == "sp" else [[seq(rank, n)]]
         for mb in mbs:
             lp, _ = model_lib.response_logprobs(lm, model_lib.collate(mb, 0, pack=True), 1.0)
@@ -924,11 +925,12 @@ def routing_point(spec: str, dtype: str, args) -> dict:
     recorded. A decision is one (position, layer): every position the engine routed, i.e. all but each
     sequence's last; prefill positions are the prompt's, decode positions those that took a sampled token in."""
     import model as model_lib
+    from routing import Routing
     from engine import HFEngine, Sampling
     from segment_rollout import Sample
     (experts, top_k), (layers, hidden) = (map(int, part.split("x")) for part in spec.split(":"))
     lm = routing_model(experts, top_k, layers, hidden, args.seed).to(getattr(torch, dtype)).eval()
-    routing = model_lib.Routing.of(lm)
+    routing = Routing.of(lm)
     engine = HFEngine(lm, [], 0, args.seed, routing=True)  # no stop token: every response is --tokens long
     g = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(1, ROUTING_VOCAB, (int(torch.randint(8, 33, (), generator=g)),), generator=g).tolist()

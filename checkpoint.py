@@ -6,7 +6,7 @@ optimizer + scheduler + RNG state per trainer rank (`trainer_state_rankN.pt`), a
 unfinished samples, the experience pool and the ready groups, the run state (step, policy version, data
 cursor), Python's RNG, the config; `routing.pt`: the samples' Mixture-of-Experts routing (--routing-replay).
 `manifest.json` lists the size and sha256 of every file. The weights, the optimizer states and the run state
-are hashed as they are written (model.HashingWriter), so a save reads nothing back; the few small files a
+are hashed as they are written (checkpoint.HashingWriter), so a save reads nothing back; the few small files a
 library writes itself (config, tokenizer) are read back. Resume checks every file against its digest: one
 flipped bit anywhere is caught, at the cost of reading the checkpoint once (a 30B policy + reference + AdamW
 in fp32 is ~0.7 TB over all ranks: minutes at a few GB/s). Everything is written to `step_NNNNNN.tmp`,
@@ -17,6 +17,7 @@ A run holds `--out/.lock` (an exclusive flock, rank 0, for its whole life): a se
 refused instead of mixing its records and checkpoints with the first's. flock is local to one machine: it
 does not keep out a run on another machine writing to the same network file system.
 """
+import copy
 import ctypes
 import errno
 import fcntl
@@ -33,6 +34,7 @@ import time
 import torch
 from torch.distributed.tensor import DTensor
 
+import distributed
 import model as model_lib
 from segment_rollout import Pools, Sample
 from ulorl import Prefetched, RunState
@@ -96,32 +98,32 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
     """Write checkpoint `path` (see the module docstring). Every trainer rank calls this: the weights are
     gathered from the shards (rank 0 writes them) and each rank writes its own optimizer state. `cfg` is
     config.py's Config; the newest --keep-last checkpoints in cfg.out are kept."""
-    lead = model_lib.rank() == 0
+    lead = distributed.rank() == 0
     tmp = path + ".tmp"
     if lead:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    model_lib.barrier()
+    distributed.barrier()
     digests = {}  # relative path -> {size, sha256}, hashed as written
     dtype = model_lib.DTYPES[cfg.dtype]  # what a user serves: the run's dtype, whatever the masters' (fp32)
     for model, sub in ((lm, ""), (ref_lm, "reference")):
         if model is not None:
             if lead:
-                written = model_lib.save_weights(model, model_lib.hf_weights(model, dtype=dtype), tokenizer,
+                written = save_weights(model, distributed.hf_weights(model, dtype=dtype), tokenizer,
                                                  os.path.join(tmp, sub), dtype=dtype)
                 digests.update({os.path.join(sub, name): d for name, d in written.items()})
             else:
-                model_lib.gather_only(model, dtype)
+                distributed.gather_only(model, dtype)
     # a bf16 run's fp32 master weights (what AdamW steps; the export above is rounded), this rank's shards
     masters = [local_shards(p.detach()) for g in opt.param_groups for p in g["params"]] \
         if cfg.dtype != "float32" else None
-    name = f"trainer_state_rank{model_lib.rank()}.pt"
+    name = f"trainer_state_rank{distributed.rank()}.pt"
     written = torch_save({"optimizer": local_shards(opt.state_dict()), "masters": masters,
                           "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state(),
                           "engine_rng": engine.rng_state() if engine is not None else None}, os.path.join(tmp, name))
-    for ranks_digest in model_lib.gather_objects({name: written}):  # every rank's, to rank 0's manifest
+    for ranks_digest in distributed.gather_objects({name: written}):  # every rank's, to rank 0's manifest
         digests.update(ranks_digest)
-    model_lib.barrier()
+    distributed.barrier()
     if lead:
         run_state = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "ready"}
         run_state["prefetched"] = dataclasses.asdict(state.prefetched) if state.prefetched else {}
@@ -132,21 +134,21 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
         routes = {s.uid: s.routing for s in pooled(pools, state) if s.routing is not None}
         if routes:  # --routing-replay: layers x top_k bytes a token, binary beside the JSON
             digests["routing.pt"] = torch_save(routes, os.path.join(tmp, "routing.pt"))
-        with model_lib.HashingWriter(os.path.join(tmp, "ulorl_state.json")) as f:
+        with HashingWriter(os.path.join(tmp, "ulorl_state.json")) as f:
             f.write(json.dumps({"config": dataclasses.asdict(cfg), "git": git, **run_state,
-                                "world_size": model_lib.world(), "python_rng": random.getstate(),
+                                "world_size": distributed.world(), "python_rng": random.getstate(),
                                 "pools": pool_state}).encode())
         digests["ulorl_state.json"] = f.digest()
         write_manifest(tmp, state.run_id, state.step, digests)
         publish(tmp, path)
         prune(cfg.out, cfg.keep_last, state.run_id)
-    model_lib.barrier()
+    distributed.barrier()
 
 
 def torch_save(obj, path: str) -> dict:
     """torch.save into `path`, hashed as written; returns its {size, sha256}. A refused write (a full disk) is
     the OSError it was, not the RuntimeError torch's writer wraps it in."""
-    with model_lib.HashingWriter(path) as f:
+    with HashingWriter(path) as f:
         try:
             torch.save(obj, f)
         except RuntimeError:
@@ -367,14 +369,14 @@ def sample_record(s: Sample) -> dict:
 def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=None) -> None:
     """The state save() wrote (the weights were loaded with the model); every rank reads its own optimizer
     state, so a sharded run resumes on the same number of ranks. A bf16 run's fp32 master weights replace
-    the rounded ones the model loaded with: the optimizer's parameters, and `masters` (model.MasterWeights)
+    the rounded ones the model loaded with: the optimizer's parameters, and `masters` (distributed.MasterWeights)
     copies them into the module."""
     with open(os.path.join(path, "ulorl_state.json")) as f:
         saved = json.load(f)
-    if saved["world_size"] != model_lib.world():
+    if saved["world_size"] != distributed.world():
         raise ValueError(f"--resume {path}: saved by {saved['world_size']} trainer process(es), resumed "
-                         f"with {model_lib.world()}; run with --nproc-per-node {saved['world_size']}")
-    trainer = torch.load(os.path.join(path, f"trainer_state_rank{model_lib.rank()}.pt"), weights_only=True)
+                         f"with {distributed.world()}; run with --nproc-per-node {saved['world_size']}")
+    trainer = torch.load(os.path.join(path, f"trainer_state_rank{distributed.rank()}.pt"), weights_only=True)
     load_optimizer(opt, trainer["optimizer"])
     if trainer.get("masters") is not None:
         with torch.no_grad():
@@ -398,7 +400,112 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
             setattr(state, f.name, saved[f.name])
     state.prefetched = Prefetched(**saved["prefetched"]) if saved.get("prefetched") else None
     state.ready = [[Sample(**d) for d in g] for g in p["ready"]]
-    if model_lib.rank() == 0 and os.path.exists(os.path.join(path, "routing.pt")):  # only rank 0 samples
+    if distributed.rank() == 0 and os.path.exists(os.path.join(path, "routing.pt")):  # only rank 0 samples
         routes = torch.load(os.path.join(path, "routing.pt"), weights_only=True)
         for s in pooled(pools, state):
             s.routing = routes.get(s.uid)
+
+
+# ------------------------------------------------------------------ HF-format weights with their digests
+
+class HashingWriter:
+    """A file opened for writing whose bytes are hashed (sha256) as they pass: a checkpoint's manifest gets
+    every file's digest without reading anything back (at 30B that would be ~120 GB more to read a save)."""
+
+    def __init__(self, path: str):
+        self.file, self.sha, self.size = open(path, "wb"), hashlib.sha256(), 0
+        self.error: OSError | None = None  # the refused write, for a caller that gets it wrapped (torch.save)
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        self.size += view.nbytes
+        try:
+            return self.file.write(view)
+        except OSError as e:  # name the file (a full disk's error names none)
+            self.error = OSError(e.errno, e.strerror, self.file.name)
+            raise self.error from None
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+    def digest(self) -> dict:
+        return {"size": self.size, "sha256": self.sha.hexdigest()}
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+                      torch.float8_e5m2: "F8_E5M2"}
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], f, metadata: dict | None = None) -> None:
+    """The safetensors format into the open file `f`, tensor by tensor: an 8-byte little-endian header size,
+    a JSON header (each tensor's dtype, shape and byte range; padded with spaces to 8 bytes), then the raw
+    bytes in that order. Written here rather than by safetensors.save_file so that its bytes can be hashed
+    as they are written (HashingWriter) and a full disk raises an ordinary OSError."""
+    header, offset = {"__metadata__": metadata} if metadata else {}, 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    f.write(len(blob).to_bytes(8, "little"))
+    f.write(blob)
+    for t in tensors.values():
+        if t.numel():
+            f.write(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def save_weights(lm, weights, tokenizer, path: str, max_shard_bytes: int = 5 << 30,
+                 dtype: torch.dtype | None = None) -> dict[str, dict]:
+    """An HF-format checkpoint written as the (name, tensor) pairs stream in (hf_weights: a decoder layer at
+    a time): safetensors shards of at most `max_shard_bytes` with model.safetensors.index.json (a single
+    model.safetensors when all fits one), config, tokenizer; loadable by from_pretrained and vLLM. Host
+    memory holds one shard and one layer, never the whole model. In a sharded run every rank walks
+    hf_weights() (or gather_only) and only rank 0 calls this with it. Returns the size and sha256 of each
+    weight file written, by its name in `path`, hashed as written. dtype: the weights' dtype as config.json
+    states it (hf_weights(dtype=...) casts them; fp32 master weights are exported in the run's dtype)."""
+    os.makedirs(path, exist_ok=True)
+    shard, size, files, weight_map, digests = {}, 0, [], {}, {}
+
+    def write():
+        files.append(f"model-{len(files) + 1:05d}.safetensors")
+        with HashingWriter(os.path.join(path, files[-1])) as f:
+            write_safetensors(shard, f, metadata={"format": "pt"})
+        digests[files[-1]] = f.digest()
+        weight_map.update(dict.fromkeys(shard, files[-1]))
+
+    total = 0
+    for name, t in weights:
+        t = t.detach().to("cpu", copy=True).contiguous()
+        if shard and size + t.nbytes > max_shard_bytes:
+            write()
+            shard, size = {}, 0
+        shard[name], size, total = t, size + t.nbytes, total + t.nbytes
+    if shard or not files:
+        write()
+    # the total is known only now: the usual names carry it
+    final = {files[0]: "model.safetensors"} if len(files) == 1 else \
+        {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
+    for f, g in final.items():
+        os.replace(os.path.join(path, f), os.path.join(path, g))
+    if len(files) > 1:
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}},
+                      f, indent=2)
+    config = copy.deepcopy(lm.config)
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(path)
+    if getattr(lm, "generation_config", None) is not None:
+        lm.generation_config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return {final[f]: d for f, d in digests.items()}

@@ -20,7 +20,11 @@ import torch
 import data
 import reward
 import tiny
-from model import is_local_path
+
+
+def is_local_path(name: str) -> bool:
+    """A name meant as a local directory (absolute, ./, ../, ~), as opposed to a hub name like Qwen/Qwen3-4B."""
+    return name.startswith(("/", "./", "../", "~")) or os.path.isdir(name)
 
 
 def flag(default, help, choices=None, ok=None):
@@ -334,6 +338,28 @@ def parse_config(argv=None, description: str = __doc__) -> Config:
     return cfg
 
 
+def data_problems(cfg: Config) -> list[str]:
+    """What is wrong with --data and --eval-data before anything is read: a mixture that does not parse, a file
+    that is not there."""
+    out = []
+    for flag_name, spec in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
+        if not spec:
+            if flag_name == "--data":
+                out.append("--data is empty: name the training prompts (the ulorl and prorl presets leave them to "
+                           "you), e.g. --data train.parquet")
+            continue
+        try:
+            sources = data.parse_mixture(spec)
+        except ValueError as e:
+            out.append(str(e).replace("--data", flag_name, 1))
+            continue
+        for source, _ in sources:
+            path = os.path.expanduser(source)
+            if (path.endswith(data.SUFFIXES) or path.startswith(("/", "."))) and not os.path.exists(path):
+                out.append(f"{flag_name} {spec}: no such file or directory: {path}")
+    return out
+
+
 def config_problems(cfg: Config) -> list[str]:
     """What is wrong with a combination of flags (each value alone passed its own check)."""
     out = []
@@ -358,21 +384,7 @@ def config_problems(cfg: Config) -> list[str]:
         out.append(f"--rollout-mem {cfg.rollout_mem}: on GPU it is the fraction of GPU memory vLLM may take, <= 1")
     if cfg.resume and cfg.overwrite:
         out.append(f"--resume {cfg.resume} and --overwrite say opposite things: continue the run, or start again")
-    for flag_name, spec in (("--data", cfg.data), ("--eval-data", cfg.eval_data)) if not cfg.plan else ():
-        if not spec:
-            if flag_name == "--data":
-                out.append("--data is empty: name the training prompts (the ulorl and prorl presets leave them to "
-                           "you), e.g. --data train.parquet")
-            continue
-        try:
-            sources = data.parse_mixture(spec)
-        except ValueError as e:
-            out.append(str(e).replace("--data", flag_name, 1))
-            continue
-        for source, _ in sources:
-            path = os.path.expanduser(source)
-            if (path.endswith(data.SUFFIXES) or path.startswith(("/", "."))) and not os.path.exists(path):
-                out.append(f"{flag_name} {spec}: no such file or directory: {path}")
+    out += [] if cfg.plan else data_problems(cfg)
     if cfg.rollout_gpus:
         if not all(part.strip().isdigit() for part in cfg.rollout_gpus.split(",")):
             out.append(f"--rollout-gpus {cfg.rollout_gpus}: GPU ids ('6,7') or a count ('2')")

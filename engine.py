@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-import model as model_lib
+import distributed
+from routing import Routing, routing_dtype, vllm_routing
 
 
 @dataclass
@@ -130,18 +131,18 @@ class HFEngine:
                  routing: bool = False):
         self.model, self.stop_ids, self.pad_id, self.seed = model, torch.tensor(stop_ids), pad_id, seed
         self.bucket = bucket
-        # --routing-replay: record the experts of every position it computes (model.Routing's hooks)
-        self.routing = model_lib.Routing.of(model) if routing else None
+        # --routing-replay: record the experts of every position it computes (routing.Routing's hooks)
+        self.routing = Routing.of(model) if routing else None
         self.generator = torch.Generator().manual_seed(seed)  # only for requests sent without keys
         self.prefill_tokens = 0  # rows x width of every prefill forward, padding included (bench.py reads it)
 
     def update_weights(self, lm) -> None:
         """The trainer's module `lm`. Sharing it (one process), there is nothing to copy; a copy of the model
         (torchrun, where the trainer's module is sharded) takes the new values, gathered a parameter at a time
-        (every trainer rank takes part: model.gather_only)."""
+        (every trainer rank takes part: distributed.gather_only)."""
         params = dict(self.model.named_parameters())
-        with torch.no_grad():  # gathered in the copy's dtype, as the other ranks' model.gather_only(lm, dtype)
-            for name, t in model_lib.full_weights(lm, next(iter(params.values())).dtype):
+        with torch.no_grad():  # gathered in the copy's dtype, as the other ranks' distributed.gather_only(lm, dtype)
+            for name, t in distributed.full_weights(lm, next(iter(params.values())).dtype):
                 if params[name].data_ptr() != t.data_ptr():
                     params[name].copy_(t)
 
@@ -197,9 +198,9 @@ class HFEngine:
         return torch.stack(logits), DynamicCache(layers, config=self.model.config), routes
 
     def recorded_routing(self) -> torch.Tensor:
-        """What the last forward's routers chose, [tokens, layers, top_k] as stored (model.routing_dtype)."""
+        """What the last forward's routers chose, [tokens, layers, top_k] as stored (routing.routing_dtype)."""
         used, self.routing.recorded = self.routing.recorded, []
-        return torch.stack(used, 1).to("cpu", model_lib.routing_dtype(self.routing.experts))  # kept on the host
+        return torch.stack(used, 1).to("cpu", routing_dtype(self.routing.experts))  # kept on the host
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,
                  keys: list[int] | None = None) -> list[Generation]:
@@ -298,7 +299,7 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.config import WeightTransferConfig
         before = descendants()  # another replica's processes are not this one's
-        import weight_sync  # registers the gloo backend in vLLM's factories, here
+        import weight_sync  # noqa: F401 (registers the gloo backend in vLLM's factories, here)
         self.backend = "gloo" if on_cpu else "nccl" if self.gpus else "ipc"
         self.colocated = self.backend == "ipc"
         if self.colocated:  # vLLM's msgpack refuses CUDA IPC handles (type objects, dtypes) unless it may pickle
@@ -360,7 +361,7 @@ class VLLMEngine:
 
     def update_weights(self, lm) -> None:
         """The trainer's module `lm` into the engine, through vLLM's weight transfer (weight_sync.connect on
-        first use; every trainer rank takes part in the gathers: model.gather_only), then a prefix-cache
+        first use; every trainer rank takes part in the gathers: distributed.gather_only), then a prefix-cache
         reset: cached KV blocks were computed by the old weights. A sleeping engine's KV cache wakes after the
         sync, when the transfer's buffer is free."""
         import weight_sync
@@ -442,7 +443,7 @@ class Replicas:
     def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,
                  keys: list[int] | None = None) -> list[Generation]:
         keys = request_keys(self.generator, len(prompts)) if keys is None else keys
-        parts = balance(self.expected(keys, max_tokens, [len(p) for p in prompts]), len(self.engines))
+        parts = distributed.balance(self.expected(keys, max_tokens, [len(p) for p in prompts]), len(self.engines))
 
         def run(engine, part):
             if not part:  # fewer requests than replicas
@@ -495,28 +496,6 @@ class Replicas:
     def resume(self) -> None:
         for e in self.engines:
             e.resume()
-
-
-def balance(expected: list[float], n: int) -> list[list[int]]:
-    """Indices of `expected` in `n` parts of near-equal sums: longest first, each to the part with the least so
-    far (ties: the lower part). Each part keeps its indices in order."""
-    parts, loads = [[] for _ in range(n)], [0.0] * n
-    for i in sorted(range(len(expected)), key=lambda i: -expected[i]):
-        j = loads.index(min(loads))
-        parts[j].append(i)
-        loads[j] += expected[i]
-    return [sorted(p) for p in parts]
-
-
-def vllm_routing(routed_experts, context: int, n: int) -> torch.Tensor:
-    """vLLM's CompletionOutput.routed_experts -> Generation.routing. vLLM's array is [positions, layers, top_k]
-    (uint8 up to 256 experts, else uint16), one row for every token it fed through the model: the context's,
-    then each new token but the last (which nothing has read yet)."""
-    if routed_experts is None or routed_experts.shape[0] != context + n - 1:
-        got = None if routed_experts is None else routed_experts.shape[0]
-        raise RuntimeError(f"vLLM returned routed experts for {got} positions, expected {context + n - 1} (a context "
-                           f"of {context} and {n} new tokens): was it started with enable_return_routed_experts?")
-    return torch.from_numpy(routed_experts.astype("uint8" if routed_experts.dtype.itemsize == 1 else "int16"))
 
 
 def bound_cores(bind: str) -> set[int]:

@@ -28,8 +28,9 @@ def _chunk_logprobs_entropy(hidden, weight, targets, temperature):
     logits = (hidden @ weight.T).float() / temperature  # [n, V]: only one chunk of logits exists at a time
     logp = torch.log_softmax(logits, dim=-1)
     token_logp = logp.gather(-1, targets[:, None]).squeeze(-1)  # [n]
-    with torch.no_grad():  # entropy is a statistic for DMMPTs, never differentiated
-        entropy = -(logp.exp() * logp).sum(-1)  # [n]
+    # differentiable, for a loss that wants it (DMMPTs only read it): its backward keeps one more [chunk, V] fp32
+    # tensor, 4 in all (297 MiB each at 152k tokens and 512 positions, measured on CPU; 5 when the loss uses it)
+    entropy = -(logp.exp() * logp).sum(-1)  # [n]
     return token_logp, entropy
 
 
@@ -64,11 +65,11 @@ def mpt_mask(logprobs: torch.Tensor, entropy: torch.Tensor, rewards: torch.Tenso
     return ~(masked_sample[:, None] & mastered & mask.bool())
 
 
-def old_logprobs(is_mode: str, current: torch.Tensor, behaviour: torch.Tensor, versions: torch.Tensor,
-                 version: int) -> torch.Tensor:
+def old_logprobs(is_mode: str, current: torch.Tensor, behaviour: torch.Tensor, token_versions: torch.Tensor,
+                 current_version: int) -> torch.Tensor:
     """pi_old of the importance ratio (UloRL 3.1), [B, T]. `current`: the trainer's log-probs under the
-    weights about to be updated, whose policy version is `version`; `behaviour`: the engine's log-probs when
-    each token was sampled, by the policy version in `versions` [B, T].
+    weights about to be updated (policy version `current_version`); `behaviour`: the engine's log-probs when
+    each token was sampled, by the version in `token_versions` [B, T].
     - tois (one segment, so every token was sampled by the current weights): the trainer's recomputed
       log-probs, as verl does; the ratio starts at exactly 1.
     - sais (Eq. 8): each token's own segment's policy: the trainer's recomputed log-probs for the tokens the
@@ -78,7 +79,7 @@ def old_logprobs(is_mode: str, current: torch.Tensor, behaviour: torch.Tensor, v
     if is_mode == "pois":
         return current
     if is_mode in ("tois", "sais"):
-        return torch.where(versions == version, current, behaviour)
+        return torch.where(token_versions == current_version, current, behaviour)
     raise ValueError(f"--is-mode must be tois, sais or pois, got {is_mode!r}")
 
 
@@ -89,6 +90,20 @@ def tis_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, ca
     also corrects the gap between the version that sampled them and the current one. Where pi_old is the
     behaviour log-prob itself (SAIS's older segments) it is 1."""
     return torch.exp(old_logprobs - behaviour_logprobs).clamp(max=cap).detach()
+
+
+class Mean(float):
+    """A metric that is a mean over `count` things (tokens, samples, updates) and carries its sum and count, so
+    that micro-batches and ranks add up to the step's mean: the sum of totals over the sum of counts."""
+
+    def __new__(cls, total: float, count: float):
+        self = super().__new__(cls, total / max(count, 1))
+        self.total, self.count = float(total), float(count)
+        return self
+
+
+class Max(float):
+    """A metric whose step value is its largest over micro-batches and ranks."""
 
 
 LOG_RATIO_CLAMP = 20.0  # log-ratios (and the KL's log-ratio) are clamped to +-20 before exp, as verl does: finite
@@ -110,24 +125,19 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 behaviour_logprobs: torch.Tensor | None = None, pg_mask: torch.Tensor | None = None,
                 clip_ratio_c: float = 0.0) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate with decoupled clip range (DAPO / ProRL), dual clip and optional k3 KL, as a loss
-    to minimise (UloRL Eq. 10 with the DMMPT mask).
-
-    logprobs, old_logprobs, mask: [B, T]; advantages: [B] or [B, T].
-    mask: the loss mask (the trainer's `loss_mask`): 1 for every token the loss averages over (its
-      denominator), the response tokens of samples that are not filtered out. Each keeps its KL term.
-    pg_mask: 1 where the policy-gradient term counts (default: mask). DMMPTs drop the term of well-mastered
-      positive tokens, and only the term: they stay in the denominator and keep their KL (UloRL Eq. 10:
-      1/sum_i|o_i| * sum_i sum_t [1 - I_msk(i,t)] * min(r A, clip(r) A)).
+    to minimise (UloRL Eq. 10 with the DMMPT mask). logprobs, old_logprobs, mask: [B, T]; advantages: [B] or [B, T].
+    mask: the loss mask: 1 for every token the loss averages over (its denominator); each keeps its KL term.
+    pg_mask: 1 where the policy-gradient term counts (default: mask). DMMPTs drop only that term of well-mastered
+      positive tokens (UloRL Eq. 10: 1/sum_i|o_i| * sum_i sum_t [1 - I_msk(i,t)] * min(r A, clip(r) A)).
     per-token loss = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A), for A < 0 at most -A * clip_ratio_c
-      (dual clip; 0 = off), times the TIS weight, on pg_mask; + kl_coef * k3 on mask. r = exp(logp - old)
-      with the log-ratio clamped to +-20.
-    agg="token":  sum over mask tokens / their count (DAPO; the default in both papers' code).
-    agg="sample": mean over each sample's mask tokens, then over samples with any (GRPO).
-    denom: the count to divide by instead of this call's own (mask tokens for "token", samples for
-      "sample"); the trainer passes the count over *all* micro-batches and ranks so that gradients of a
-      split batch sum to those of the whole batch.
+      (dual clip; 0 = off), times the TIS weight, on pg_mask; + kl_coef * k3 on mask. r = exp(logp - old),
+      the log-ratio clamped to +-20.
+    agg="token": sum over mask tokens / their count (DAPO; both papers); "sample": mean over each sample's
+      mask tokens, then over samples with any (GRPO).
+    denom: the count to divide by instead of this call's own; the trainer passes the count over *all*
+      micro-batches and ranks, so that gradients of a split batch sum to those of the whole batch.
     tis_cap: truncated importance sampling (tis_weights, needs behaviour_logprobs); None = off.
-    Metrics: ratio and clip statistics are means over pg_mask tokens, the KL over mask tokens.
+    Metrics (Mean / Max): ratio and clip statistics over pg_mask tokens, the KL over mask tokens.
     """
     loss_mask = mask.bool()
     pg_mask = loss_mask if pg_mask is None else pg_mask.bool() & loss_mask
@@ -154,16 +164,16 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     loss = total / n.clamp(min=1)
 
     with torch.no_grad():
-        pg_tokens, loss_tokens = max(int(pg_mask.sum()), 1), max(int(loss_mask.sum()), 1)
+        pg_tokens, loss_tokens = pg_mask.sum().item(), loss_mask.sum().item()
         adv_full = adv.expand_as(ratio)
         metrics = {
-            "loss/policy": loss.item(),
-            "loss/kl": torch.where(loss_mask, kl, 0).sum().item() / loss_tokens,
-            "clip/low_frac": ((adv_full < 0) & (ratio < 1 - eps_low) & pg_mask).sum().item() / pg_tokens,
-            "clip/high_frac": ((adv_full > 0) & (ratio > 1 + eps_high) & pg_mask).sum().item() / pg_tokens,
-            "clip/dual_frac": ((adv_full < 0) & (ratio > clip_ratio_c) & pg_mask).sum().item() / pg_tokens
-                              if clip_ratio_c else 0.0,
-            "ratio/mean": torch.where(pg_mask, ratio, 0).sum().item() / pg_tokens,
-            "ratio/max": ratio[pg_mask].max().item() if pg_mask.any() else 1.0,
+            "loss/policy": Mean(loss.item(), 0),  # the whole loss, KL included (its count: ulorl.optimize's)
+            "loss/kl": Mean(torch.where(loss_mask, kl, 0).sum().item(), loss_tokens),
+            "clip/low_frac": Mean(((adv_full < 0) & (ratio < 1 - eps_low) & pg_mask).sum().item(), pg_tokens),
+            "clip/high_frac": Mean(((adv_full > 0) & (ratio > 1 + eps_high) & pg_mask).sum().item(), pg_tokens),
+            "clip/dual_frac": Mean(((adv_full < 0) & (ratio > clip_ratio_c) & pg_mask).sum().item() if clip_ratio_c
+                                   else 0.0, pg_tokens),
+            "ratio/mean": Mean(torch.where(pg_mask, ratio, 0).sum().item(), pg_tokens),
+            "ratio/max": Max(ratio[pg_mask].max().item() if pg_mask.any() else 1.0),
         }
     return loss, metrics

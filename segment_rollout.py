@@ -43,7 +43,7 @@ class Sample:
     finish: str | None = None  # None while unfinished, then "eos" or "truncated"
     reward: float | None = None
     # --routing-replay (MoE): the experts the engine's last call routed each position to, prompt and response
-    # but the last token, [positions, layers, top_k] uint8 (replaced every segment; model.replay_layout)
+    # but the last token, [positions, layers, top_k] uint8 (replaced every segment; routing.replay_layout)
     routing: object = None
 
     def segment_versions(self) -> list[int]:
@@ -85,7 +85,7 @@ def rollout_step(engine, pools: Pools, new_groups: list[list[Sample]], segment_l
     gens = engine.generate([s.prompt_ids + s.tokens for s in batch], budgets, sampling, keys=[s.uid for s in batch])
     pools.unfinished = []
     for s, g, budget in zip(batch, gens, budgets):
-        if g.routing is not None:  # the engine's latest forward over the sample (model.replay_layout)
+        if g.routing is not None:  # the engine's latest forward over the sample (routing.replay_layout)
             s.routing = g.routing
         s.seg_starts.append(len(s.tokens))
         s.tokens += g.tokens

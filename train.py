@@ -37,6 +37,9 @@ import checkpoint
 import data
 import eval as eval_lib
 import logs
+import distributed
+from routing import Routing
+import seqpar
 import model as model_lib
 import plan as plan_lib
 import reward
@@ -61,9 +64,9 @@ def setup_distributed(cfg: Config) -> tuple[int, int]:
         # (optimizer offload: the gradient norm and the checkpoint's gathers of host-memory shards go through gloo)
         backend = "gloo" if not cfg.device.startswith("cuda") else \
             "cpu:gloo,cuda:nccl" if cfg.offload_optimizer == "true" else "nccl"
-        model_lib.init_distributed(backend, cfg.dist_timeout)
-        model_lib.init_sequence_parallel(cfg.sp)
-    return model_lib.rank(), world
+        distributed.init_distributed(backend, cfg.dist_timeout)
+        seqpar.init_sequence_parallel(cfg.sp)
+    return distributed.rank(), world
 
 
 def busy_cores(seconds: float = 0.2) -> float:
@@ -197,9 +200,9 @@ def placement_line(cfg: Config, world: int, local_ranks: int, mem: float) -> str
 
 def memory_peaks(cfg: Config, host_before: int) -> dict:
     """The step's memory high-water marks in MiB, the largest rank's: host since loading began, and GPU."""
-    out = {"memory/host_peak_mib": model_lib.all_max(plan_lib.host_peak() - host_before) / 2**20}
+    out = {"memory/host_peak_mib": distributed.all_max(plan_lib.host_peak() - host_before) / 2**20}
     if cfg.device.startswith("cuda"):
-        out["memory/gpu_peak_mib"] = model_lib.all_max(torch.cuda.max_memory_allocated()) / 2**20
+        out["memory/gpu_peak_mib"] = distributed.all_max(torch.cuda.max_memory_allocated()) / 2**20
     return out
 
 
@@ -208,7 +211,7 @@ def memory_peaks(cfg: Config, host_before: int) -> dict:
 def load_models(cfg: Config, resume_from: str | None, world: int):
     """(policy, reference, lm, ref_lm, tokenizer, masters): the modules the trainer calls (model.wrap; reference
     None without a KL), the Hugging Face models inside them, and the fp32 master weights AdamW steps when the
-    run computes in bf16 outside FSDP (model.MasterWeights; else None), from the checkpoint when resuming.
+    run computes in bf16 outside FSDP (distributed.MasterWeights; else None), from the checkpoint when resuming.
     Under FSDP no rank ever holds the whole model: each builds it on the meta device, shards it and reads only
     its own shards from the checkpoint, a layer at a time (model.load_sharded). A bf16 run computes in bf16 over
     fp32 master weights in every mode (FSDP2's own mixed precision under fsdp); they load in fp32 here, and a
@@ -217,7 +220,7 @@ def load_models(cfg: Config, resume_from: str | None, world: int):
     path = resume_from or cfg.model
     ref_path = os.path.join(resume_from, "reference") if resume_from else cfg.model
     yarn = (cfg.rope_scaling_factor, cfg.rope_original_max_positions,
-            model_lib.attention_name(cfg.attn_implementation, cfg.sp))
+            seqpar.attention_name(cfg.attn_implementation, cfg.sp))
     ref = ref_lm = None
     if world > 1 and cfg.parallel == "fsdp":  # (offload: the reference's fp32 shards too, as large as the masters)
         offload = cfg.offload_optimizer == "true"
@@ -229,7 +232,7 @@ def load_models(cfg: Config, resume_from: str | None, world: int):
         return policy, ref, lm, ref_lm, tokenizer, None
     mode = cfg.parallel if world > 1 else "none"
     lm, tokenizer = model_lib.load(path, "float32", cfg.device, cfg.gradient_checkpointing, *yarn)
-    masters = model_lib.MasterWeights(lm, compute) if compute else None
+    masters = distributed.MasterWeights(lm, compute) if compute else None
     if cfg.kl_coef > 0:  # frozen: no masters, it computes in the run's dtype
         ref_lm = model_lib.load(ref_path, cfg.dtype, cfg.device, False, *yarn)[0].eval().requires_grad_(False)
         ref = model_lib.wrap(ref_lm, mode, trainable=False)
@@ -245,7 +248,7 @@ def rollout_engine(cfg: Config, lm, tokenizer, path: str, world: int, mem: float
     kind = engine_kind(cfg.engine, cfg.device)
     if kind == "hf" and world > 1:  # the trainer's module is sharded: the engine samples with a whole copy
         lm = model_lib.load(path, cfg.dtype, cfg.device, False, cfg.rope_scaling_factor,
-                            cfg.rope_original_max_positions, model_lib.attention_name(cfg.attn_implementation, 1))[0]
+                            cfg.rope_original_max_positions, seqpar.attention_name(cfg.attn_implementation, 1))[0]
     return make_engine(kind, lm, tokenizer, cfg.seed, path=path,
                        max_model_len=cfg.max_prompt_len + cfg.max_response_len, mem=mem, device=cfg.device,
                        dtype=cfg.dtype,
@@ -289,7 +292,7 @@ def sync_weights(engine, lm, dtype: str, replicas: int = 1) -> None:
         engine.update_weights(lm)
     else:
         for _ in range(replicas):
-            model_lib.gather_only(lm, model_lib.DTYPES[dtype])
+            distributed.gather_only(lm, model_lib.DTYPES[dtype])
 
 
 # ----------------------------------------------------------------------------------------- logging
@@ -390,7 +393,7 @@ def replay_routing(cfg: Config, lm, ref_lm) -> None:
     """--routing-replay true: the trainer's forwards route as the engine did (record: they only compare)."""
     for module in (lm, ref_lm) if cfg.routing_replay != "false" else ():
         if module is not None:
-            model_lib.Routing.of(module).swap = cfg.routing_replay == "true"
+            Routing.of(module).swap = cfg.routing_replay == "true"
 
 
 def startup_metrics(load_peak_mib: float, plan: plan_lib.Plan) -> dict:
@@ -413,123 +416,186 @@ def save_checkpoint(path: str, **kw) -> None:
         raise error from None
 
 
-# -------------------------------------------------------------------------------------------- main
+@dataclasses.dataclass
+class Run:
+    """What the loop works with, set up once: the trainer's side (every rank) and rank 0's engine, data and logs."""
+    cfg: Config
+    world: int
+    lead: bool  # rank 0: the engine, the pools, the data and the logs
+    threads: int
+    policy: torch.nn.Module  # model.wrap()ped: micro-batch -> (log-probs, entropy)
+    ref: torch.nn.Module | None  # the KL reference, wrapped the same way (--kl-coef 0: none)
+    lm: torch.nn.Module  # the Hugging Face model under `policy`
+    ref_lm: torch.nn.Module | None
+    tokenizer: object
+    masters: object  # distributed.MasterWeights: the fp32 weights AdamW steps in a bf16 run outside FSDP (else None)
+    opt: torch.optim.Optimizer
+    sched: object
+    state: RunState
+    host_before: int  # the host memory peak before loading (memory/* metrics)
+    engine: object = None
+    rollouts: Rollouts | None = None
+    judge: reward.Judge | None = None
+    eval_rows: list = dataclasses.field(default_factory=list)
+    log: logs.RunLog | None = None
+    out_lock: object = None
+    save: object = None  # save(path): a checkpoint of everything
+    startup: dict = dataclasses.field(default_factory=dict)  # logged once, with the first record
 
-def main(cfg: Config) -> None:
-    """The run: set-up, then the RL loop, one step in the papers' order."""
-    rank, world, lead, threads, plan, engine_mem = start(cfg)
-    if plan is None:  # --plan: printed, nothing started
-        return
-    resume_from = checkpoint.find_resume(cfg.resume, cfg.out, cfg.overwrite)  # --out is checked before loading
-    out_lock = checkpoint.lock_out(cfg.out) if lead else None  # one run per --out, until this process ends
+    def reset_reference(self) -> None:  # ProRL: reference <- policy, fresh AdamW moments
+        ulorl.reset_reference(self.lm, self.ref_lm, self.opt, self.ref)
+
+
+def claim_out(cfg: Config, lead: bool) -> tuple[str | None, object]:
+    """--out before anything loads: the checkpoint --resume names (None: a fresh run) and rank 0's lock, one run
+    per --out until this process ends; --overwrite clears the old run first."""
+    resume_from = checkpoint.find_resume(cfg.resume, cfg.out, cfg.overwrite)
+    out_lock = checkpoint.lock_out(cfg.out) if lead else None
     if lead and cfg.overwrite and (gone := checkpoint.clear_run(cfg.out)):
         print(f"--overwrite: deleted {', '.join(gone)} from {cfg.out}", flush=True)
-    model_lib.barrier()
+    distributed.barrier()
+    return resume_from, out_lock
+
+
+def set_up(cfg: Config) -> Run | None:
+    """Checks, data, models, the engine, the optimizer and a resumed run's state; the held-out accuracy before
+    training. None for --plan (printed; nothing started)."""
+    rank, world, lead, threads, plan, engine_mem = start(cfg)
+    if plan is None:
+        return None
+    resume_from, out_lock = claim_out(cfg, lead)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed + rank)
     rows, eval_rows = load_data(cfg, lead)  # data before models: a bad row stops the run at once
     host_before = plan_lib.reset_host_peak()
     policy, ref, lm, ref_lm, tokenizer, masters = load_models(cfg, resume_from, world)
     replay_routing(cfg, lm, ref_lm)
-    load_peak = model_lib.all_max(plan_lib.host_peak() - host_before) / 2**20  # MiB, the largest rank's
-    engine = rollout_engine(cfg, lm, tokenizer, resume_from or cfg.model, world, engine_mem) if lead else None
+    load_peak = distributed.all_max(plan_lib.host_peak() - host_before) / 2**20  # MiB, the largest rank's
     opt = torch.optim.AdamW(masters.parameters() if masters else policy.parameters(), lr=cfg.lr,
                             weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(ulorl.lr_factor, cfg=cfg))
-    judge = eval_lib.load_judge(cfg.verifier_model, cfg.verifier_mode, cfg.verifier_max_tokens, cfg.dtype, cfg.device,
-                                cfg.seed) if lead and cfg.verifier_model and cfg.verifier_mode != "off" else None
-    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
-    pools, state = Pools(), RunState(run_id=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    save = functools.partial(save_checkpoint, lm=lm, ref_lm=ref_lm, tokenizer=tokenizer, opt=opt, sched=sched,
-                             engine=engine, pools=pools, state=state, cfg=cfg, git=logs.git_hash())
-    if resume_from:
-        checkpoint.load(resume_from, opt, sched, engine, pools, state, masters)
-    rollouts = Rollouts(engine, pools, rows, state, tokenizer, sampling, cfg, judge) if lead else None
-    startup = startup_metrics(load_peak, plan)  # logged once, with the first record
+    state = RunState(run_id=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    run = Run(cfg, world, lead, threads, policy, ref, lm, ref_lm, tokenizer, masters, opt, sched, state, host_before,
+              eval_rows=eval_rows, out_lock=out_lock, startup=startup_metrics(load_peak, plan))
+    pools = Pools()
     if lead:
+        run.engine = rollout_engine(cfg, lm, tokenizer, resume_from or cfg.model, world, engine_mem)
+        if cfg.verifier_model and cfg.verifier_mode != "off":
+            run.judge = eval_lib.load_judge(cfg.verifier_model, cfg.verifier_mode, cfg.verifier_max_tokens,
+                                            cfg.dtype, cfg.device, cfg.seed)
+    run.save = functools.partial(save_checkpoint, lm=lm, ref_lm=ref_lm, tokenizer=tokenizer, opt=opt, sched=sched,
+                                 engine=run.engine, pools=pools, state=state, cfg=cfg, git=logs.git_hash())
+    if resume_from:
+        checkpoint.load(resume_from, opt, sched, run.engine, pools, state, masters)
+    if lead:
+        sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+        run.rollouts = Rollouts(run.engine, pools, rows, state, tokenizer, sampling, cfg, run.judge)
         if resume_from:
             print(f"resumed from {resume_from} at step {state.step}", flush=True)
-        log = logs.RunLog(cfg, state.step if resume_from else None)
+        run.log = logs.RunLog(cfg, state.step if resume_from else None)
         if state.step == 0 and eval_rows:
-            log.record({**evaluate_before_training(engine, tokenizer, eval_rows, cfg, judge, state), **startup})
-            startup = {}
-    stop = stop_on_signals(lead, state)
-    step_times = []
+            run.log.record({**evaluate_before_training(run.engine, tokenizer, eval_rows, cfg, run.judge, state),
+                            **run.startup})
+            run.startup = {}
+    return run
+
+
+def next_batch(run: Run):
+    """Steps 1-4 on rank 0: the step's groups (rollouts.Batch). An engine that failed leaves a checkpoint of the
+    samples decoded so far in one process (under torchrun a checkpoint needs every rank: the newest periodic
+    one resumes)."""
+    try:
+        return run.rollouts.next()
+    except EngineFailure:
+        if run.world == 1:
+            run.save(os.path.join(run.cfg.out, f"step_{run.state.step:06d}"))
+        raise
+
+
+def finish_step(run: Run, step: int, batch, record: dict, t_roll: float, t0: float, step_times: list) -> None:
+    """Step 8 before the checkpoint: the held-out evaluation (ProRL also resets when its accuracy stalls), then
+    rank 0's metrics.jsonl record, samples and console line."""
+    cfg, lead = run.cfg, run.lead
+    if cfg.eval_data and cfg.eval_every and (step == cfg.steps or step % cfg.eval_every == 0):
+        if lead:
+            record.update(held_out(run.engine, run.tokenizer, run.eval_rows, cfg, run.judge))
+        if distributed.broadcast(lead and ulorl.stalled(run.state, record["eval/accuracy"], cfg.ref_reset_on_stall)):
+            run.reset_reference()
+            record["train/ref_reset"] = 1
+    if not lead:
+        return
+    record.update(step_metrics(step, batch.groups, batch.rewards, t_roll, record), **run.startup)
+    run.startup = {}
+    if cfg.dump_samples:
+        run.log.dump_samples(batch.groups, step, run.tokenizer, cfg.dump_samples)
+    record["time/step_s"] = time.time() - t0
+    step_times.append(record["time/step_s"])
+    run.log.record(record)  # before the checkpoint: every record up to a checkpoint's step exists
+    print(log_line(record, sum(step_times) / len(step_times) * (cfg.steps - step), run.threads), flush=True)
+
+
+# -------------------------------------------------------------------------------------------- main
+
+def main(cfg: Config) -> None:
+    """The run: set-up, then the RL loop, one step in the papers' order."""
+    run = set_up(cfg)
+    if run is None:  # --plan: printed, nothing started
+        return
+    state, lead, engine, rollouts = run.state, run.lead, run.engine, run.rollouts
+    stop, step_times = stop_on_signals(lead, state), []
     while state.step < cfg.steps:
         t0, step = time.time(), state.step + 1
 
         # 1-4. rollout: segments of unfinished and new samples, rewards, dynamic sampling, until enough groups
-        batch = None
-        if lead:
-            try:
-                batch = rollouts.next()
-            except EngineFailure:
-                if world == 1:  # under torchrun a checkpoint needs every rank: the newest periodic one resumes
-                    save(os.path.join(cfg.out, f"step_{state.step:06d}"))
-                raise
+        batch = next_batch(run) if lead else None
         t_roll = time.time() - t0
         if lead and cfg.overlap:  # the next step's rollout (the probe first) decodes during this update
             rollouts.start_next(batch, step)
-        groups, probing, stop_now = model_lib.broadcast((batch.groups, batch.probing, stop[0] if stop else "")
+        groups, probing, stop_now = distributed.broadcast((batch.groups, batch.probing, stop[0] if stop else "")
                                                         if lead else None)
         record = batch.record if lead else {}  # the step's metrics.jsonl record: the rollout's counts first
         # every rank takes the probe when the update asks for it (after its own pass over the batch)
-        probe = (lambda: model_lib.broadcast(rollouts.probe() if lead else None)) if probing else None
+        probe = (lambda: distributed.broadcast(rollouts.probe() if lead else None)) if probing else None
 
         # 5-6. pi_old, reference log-probs and DMMPT mask, the clipped loss, the optimizer (each rank its share)
         if lead:
             engine.pause()  # vLLM sharing the trainer's GPU sleeps meanwhile
-        record.update(ulorl.update(policy, ref, opt, sched, groups, state.version, tokenizer.pad_token_id, cfg,
-                                   masters, state.engine_kl, probe))
-        record.update(memory_peaks(cfg, host_before))
+        record.update(ulorl.update(run.policy, run.ref, run.opt, run.sched, groups, state.version,
+                                   run.tokenizer.pad_token_id, cfg, run.masters, state.engine_kl, probe))
+        record.update(memory_peaks(cfg, run.host_before))
         ulorl.count_bad_steps(record, state, cfg, warn=lead)
         if record["train/optimizer_steps"]:
             state.version += 1
         if cfg.ref_reset_every and step % cfg.ref_reset_every == 0:
-            ulorl.reset_reference(lm, ref_lm, opt, ref)  # ProRL: reference <- policy, fresh AdamW moments
+            run.reset_reference()  # ProRL: reference <- policy, fresh AdamW moments
             record["train/ref_reset"] = 1
 
         # 7. the new weights reach the engine (after the rollout decoding ahead ended); unfinished samples continue
-        if lead and cfg.overlap:
-            record["time/engine_wait_s"] = rollouts.join()  # how long the trainer waited for the engine
         if cfg.overlap:  # the other ranks wait for it here, with no timeout: in the sync's gathers NCCL's watchdog
-            model_lib.barrier()  # would end the run after --dist-timeout
+            record["time/engine_wait_s"] = rollouts.join() if lead else 0.0  # would end the run (--dist-timeout)
+            distributed.barrier()
         if lead:
             engine.resume()
         if record["train/optimizer_steps"]:
             t_sync = time.time()
-            sync_weights(engine, lm, cfg.dtype, cfg.rollout_replicas or 1)
+            sync_weights(engine, run.lm, cfg.dtype, cfg.rollout_replicas or 1)
             record["time/sync_s"] = time.time() - t_sync
         state.step = step
 
-        # 8. evaluate (ProRL also resets when held-out accuracy stalls), log, checkpoint
-        if cfg.eval_data and cfg.eval_every and (step == cfg.steps or step % cfg.eval_every == 0):
-            if lead:
-                record.update(held_out(engine, tokenizer, eval_rows, cfg, judge))
-            if model_lib.broadcast(lead and ulorl.stalled(state, record["eval/accuracy"], cfg.ref_reset_on_stall)):
-                ulorl.reset_reference(lm, ref_lm, opt, ref)
-                record["train/ref_reset"] = 1
-        if lead:
-            record.update(step_metrics(step, groups, batch.rewards, t_roll, record), **startup)
-            startup = {}
-            if cfg.dump_samples:
-                log.dump_samples(groups, step, tokenizer, cfg.dump_samples)
-            record["time/step_s"] = time.time() - t0
-            step_times.append(record["time/step_s"])
-            log.record(record)  # before the checkpoint: every record up to a checkpoint's step exists
-            print(log_line(record, sum(step_times) / len(step_times) * (cfg.steps - step), threads), flush=True)
-        stop_now = stop_now or (stop[0] if world == 1 and stop else "")
+        # 8. evaluate, log, checkpoint
+        finish_step(run, step, batch, record, t_roll, t0, step_times)
+        stop_now = stop_now or (stop[0] if run.world == 1 and stop else "")
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop_now:
-            save(os.path.join(cfg.out, f"step_{step:06d}"))
+            run.save(os.path.join(cfg.out, f"step_{step:06d}"))
         if stop_now:
             if lead:
                 print(f"stopped by {stop_now} after step {step}; checkpoint saved (resume with --resume auto)",
                       flush=True)
             break
     if lead:
-        log.close()
-        out_lock.close()
-    if world > 1:
+        run.log.close()
+        run.out_lock.close()
+    if run.world > 1:
         dist.destroy_process_group()
 
 

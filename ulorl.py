@@ -14,7 +14,7 @@ Where each part of the papers lives (every paper number is a flag default or a p
     3.2 Eq. 10: masked tokens stay in the denominator ... optimize() below, loss.policy_loss(pg_mask=...)
     3.3 {0,1} reward, truncated = 0 ....... reward.py, reward.overlong_reward; --overlong (zero)
     3.3 generative verifier ............... reward.Judge, reward.judge_rewards; --verifier-model, --verifier-mode
-    3.4 data cleaning ..................... data.py clean (python data.py clean --help)
+    3.4 data cleaning ..................... clean.py (python clean.py --help)
     4   YaRN (factor 1.5, 95232) .......... model.yarn_overrides; --rope-scaling-factor, --rope-original-max-positions
     4   settings: lr 1e-6, 128 x 8, T 0.85, mini-batch 1024 .......... config.PRESETS["ulorl"]
     4   avg@32 with T 0.85, top_p 0.95, top_k 20 ...................... eval.py --preset ulorl
@@ -49,8 +49,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+import distributed
+import engine_gap
+import seqpar
 import model as model_lib
-from loss import group_advantages, mpt_mask, old_logprobs, policy_loss
+from loss import Max, Mean, group_advantages, mpt_mask, old_logprobs, policy_loss
 from model import MicroBatch
 
 
@@ -74,7 +77,7 @@ class RunState:
     run_id: str = ""  # names the run in its checkpoints' manifests: --keep-last prunes only its own
     best_eval: float | None = None  # the best held-out accuracy so far (--ref-reset-on-stall)
     evals_since_best: int = 0  # evaluations since it last improved, or since the last reset
-    engine_kl: list = field(default_factory=list)  # the last steps' rollout/engine_kl (engine_gap_check)
+    engine_kl: list = field(default_factory=list)  # the last steps' rollout/engine_kl (engine_gap.check)
     prefetched: Prefetched | None = None  # --overlap: the next step's rollout, decoded during the last update
 
 
@@ -148,8 +151,8 @@ def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg) -> li
     minis = []
     for lo in range(0, len(samples), per_mini):
         idx = list(range(lo, min(lo + per_mini, len(samples))))
-        mine = model_lib.rank_share([len(samples[i].prompt_ids) + len(samples[i].tokens) for i in idx],
-                                    model_lib.data_rank(), model_lib.data_world())
+        mine = distributed.balance([len(samples[i].prompt_ids) + len(samples[i].tokens) for i in idx],
+                                   seqpar.data_world())[seqpar.data_rank()]
         mine = [idx[j] for j in mine]
         mbs = [[mine[j] for j in mb] for mb in model_lib.micro_batches([samples[i] for i in mine],
                                                                          cfg.max_tokens_per_micro_batch, cfg.pack)]
@@ -158,7 +161,7 @@ def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg) -> li
             mb = model_lib.collate([samples[i] for i in mb_idx], pad_id, cfg.device, cfg.pack)
             mb.adv = adv[mb_idx].to(cfg.device)
             collated.append(mb)
-        for _ in range(int(model_lib.all_max(len(mbs))) - len(mbs)):  # a real sample's shapes, nothing kept
+        for _ in range(int(distributed.all_max(len(mbs))) - len(mbs)):  # a real sample's shapes, nothing kept
             mb = model_lib.collate([samples[0]], pad_id, cfg.device, cfg.pack)
             mb.adv, mb.empty = torch.zeros(1, device=cfg.device), True
             collated.append(mb)
@@ -166,33 +169,13 @@ def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg) -> li
     return minis
 
 
-GAP_BINS = (-12.0, 2.0, 280)  # log10 |trainer - engine log-prob| from 1e-12 to 100 nats, 20 bins a decade
-# The engine/trainer KL leaves out its GAP_OUTLIERS largest tokens: one bf16 MoE token 3.5 nats off adds
-# e^3.5 - 4.5 = 28.6 to the sum, 0.11 a token over --overlap's 256-token probe, past --max-engine-kl, while an
-# engine that missed a sync is off on many (trimming 1% instead hid most of a stale tiny engine's KL: 30x -> 7x)
-GAP_OUTLIERS = 2
-
-
-def trimmed_kl(kl_sum: float, n: int, largest: list[float]) -> float | None:
-    """The mean per-token KL of `n` tokens whose k3 values add up to `kl_sum`, without the GAP_OUTLIERS largest
-    (`largest`: at least those); None without tokens."""
-    if not n:
-        return None
-    k = min(GAP_OUTLIERS, len(largest)) if n > 2 * GAP_OUTLIERS else 0
-    return max(kl_sum - sum(sorted(largest, reverse=True)[:k]), 0.0) / (n - k)
-
-
 @torch.no_grad()
-def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg) -> tuple[dict, float, torch.Tensor]:
-    """Step 5, one pass with the weights about to be updated: pi_old (loss.old_logprobs: these current
-    log-probs for every token under POIS, for the tokens these weights sampled under TOIS/SAIS), the
-    reference's log-probs for the KL, entropy and the token masks; and how far the engine's behaviour
-    log-probs are from the trainer's on the tokens these very weights sampled.
-    Returns (sums for the metrics, the largest engine/trainer gap, a histogram of the gaps (GAP_BINS), the
-    GAP_OUTLIERS largest per-token KLs)."""
-    stats = {"entropy": 0.0, "tokens": 0, "loss_tokens": 0, "pg_tokens": 0, "diff_sum": 0.0, "diff_n": 0,
-             "kl_sum": 0.0, "route_differ": 0, "route_compared": 0}
-    diff_max, hist, top = 0.0, torch.zeros(GAP_BINS[2], dtype=torch.float64), torch.zeros(0, dtype=torch.float64)
+def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg, gap: engine_gap.Gap) -> dict:
+    """Step 5, one pass with the weights about to be updated (policy version `version`): pi_old
+    (loss.old_logprobs), the reference's log-probs for the KL, entropy and the token masks. `gap` gets the
+    trainer's log-probs beside the engine's on the tokens these very weights sampled. Returns sums for the
+    metrics."""
+    stats = {"entropy": 0.0, "tokens": 0, "loss_tokens": 0, "pg_tokens": 0, "route_differ": 0, "route_compared": 0}
     for mbs in minis:
         for mb in mbs:
             # --routing-replay: the positions these weights routed in the engine, compared with the trainer's router
@@ -207,42 +190,60 @@ def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg) -> tu
             if ref is not None:
                 mb.ref = ref(mb, cfg.temperature)[0]
             mb.loss_mask, mb.pg_mask = token_masks(mb, cur, entropy, cfg)
-            if mb.empty or not model_lib.counts():  # (a sequence-parallel group's other ranks: counted once)
+            if mb.empty or not seqpar.counts():  # (a sequence-parallel group's other ranks: counted once)
                 continue
             stats["entropy"] += entropy[mb.resp_mask].sum().item()
             stats["tokens"] += int(mb.resp_mask.sum())
             stats["loss_tokens"] += int(mb.loss_mask.sum())
             stats["pg_tokens"] += int(mb.pg_mask.sum())
-            d = (cur.double() - mb.behaviour.double())[mb.versions == version]  # log p_trainer - log p_engine
-            if d.numel():
-                diff_max = max(diff_max, d.abs().max().item())
-                stats["diff_sum"] += d.abs().sum().item()
-                stats["diff_n"] += d.numel()
-                # KL(engine || trainer) per token, k3 on the engine's own samples: unbiased, never negative
-                k3 = d.clamp(max=30).exp() - 1 - d
-                stats["kl_sum"] += k3.sum().item()
-                top = torch.cat([top, k3.cpu()]).topk(min(GAP_OUTLIERS, top.numel() + k3.numel())).values
-                hist += torch.histc(d.abs().clamp(1e-12, 99.0).log10().cpu(), GAP_BINS[2], *GAP_BINS[:2])
-    return stats, diff_max, hist, top.tolist()
+            sampled_now = mb.versions == version
+            gap.add(cur[sampled_now], mb.behaviour[sampled_now])
+    return stats
 
 
-def quantile(hist: torch.Tensor, q: float) -> float:
-    """The q-quantile of the gaps a GAP_BINS histogram counts, as its bin's upper edge (12% resolution)."""
-    lo, hi, bins = GAP_BINS
-    k = int(torch.searchsorted(hist.cumsum(0), q * hist.sum().item()))
-    return 10 ** (lo + (hi - lo) * min(k + 1, bins) / bins)
+def micro_batch_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, denom: int,
+                     cfg) -> tuple[torch.Tensor, dict]:
+    """Step 6 on one micro-batch, in tensors [b, T]: the clipped loss of the trainer's `logprobs` against pi_old
+    (mb.old), with the DMMPT mask (mb.pg_mask) and the KL to the reference, over the step's token count `denom`
+    (UloRL Eq. 10). `entropy` is differentiable: an entropy bonus is
+    `loss - coef * torch.where(mb.loss_mask, entropy, 0).sum() / denom`. Metrics are loss.Mean (a total and what
+    it averages over) or loss.Max; a new one lands in metrics.jsonl as the mean over the step."""
+    loss, metrics = policy_loss(logprobs, mb.old, mb.adv, mb.loss_mask, pg_mask=mb.pg_mask, eps_low=cfg.eps_low,
+                                eps_high=cfg.eps_high, clip_ratio_c=cfg.clip_ratio_c, ref_logprobs=mb.ref,
+                                kl_coef=cfg.kl_coef, agg=cfg.agg, denom=denom, tis_cap=cfg.tis_cap or None,
+                                behaviour_logprobs=mb.behaviour)
+    return loss, metrics
 
 
-def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg,
-             masters=None) -> tuple[dict, float, int, torch.Tensor]:
+class Tally:
+    """The step's metrics over micro-batches and ranks: Mean totals and counts add up, Max values take the
+    largest. Every rank adds the same keys (an empty stand-in with counted=False), so that they reduce together."""
+
+    def __init__(self):
+        self.sums, self.maxes = {}, {}
+
+    def add(self, metrics: dict, counted: bool = True) -> None:
+        for k, m in metrics.items():
+            if isinstance(m, Max):
+                self.maxes[k] = max(self.maxes.get(k, 0.0), m if counted else 0.0)
+            else:
+                total, count = self.sums.get(k, (0.0, 0.0))
+                self.sums[k] = (total + m.total, count + m.count) if counted else (total, count)
+
+    def reduce(self) -> dict:
+        totals = distributed.all_sum({f"{k}\0{i}": v[i] for k, v in self.sums.items() for i in (0, 1)})
+        out = {k: totals[f"{k}\0{0}"] / max(totals[f"{k}\0{1}"], 1) for k in self.sums}
+        return out | {k: distributed.all_max(v) for k, v in self.maxes.items()}
+
+
+def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg, masters=None) -> tuple[Tally, int, torch.Tensor]:
     """Step 6: one optimizer step per mini-batch, gradients accumulated over its micro-batches. An update
     whose loss or gradient is NaN/inf on any rank is skipped: the optimizer never sees it. `masters`
-    (model.MasterWeights, bf16 outside FSDP): the fp32 weights the optimizer steps, copied to the module after.
-    Returns (token-weighted metric sums, the largest ratio, updates skipped, the last gradient norm)."""
+    (distributed.MasterWeights, bf16 outside FSDP): the fp32 weights the optimizer steps, copied to the module after.
+    Returns (the loss's metrics, updates skipped, the last gradient norm)."""
     policy.train()
     params = [p for g in opt.param_groups for p in g["params"]]  # what AdamW steps: fp32 in a bf16 run
-    totals: dict = {}
-    skipped, grad_norm, ratio_max = 0, torch.tensor(float("nan")), 0.0
+    tally, skipped, grad_norm = Tally(), 0, torch.tensor(float("nan"))
     for mbs in minis:
         # The one place that decides what the loss averages over: every loss_mask token (DMMPT-masked ones
         # included, UloRL Eq. 10; overlong-filtered samples not) of *all* micro-batches of this optimizer
@@ -250,36 +251,27 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg,
         # by the world size makes it a sum. Under --sp each rank of a group computes the whole loss but its
         # gradient flows through its own slice's tokens only: the group's gradients add up to the loss's.
         local = sum(int(mb.loss_mask.sum()) if cfg.agg == "token" else int((mb.loss_mask.sum(1) > 0).sum())
-                    for mb in mbs) if model_lib.counts() else 0
-        denom = model_lib.all_sum({"n": local})["n"]
+                    for mb in mbs) if seqpar.counts() else 0
+        denom = distributed.all_sum({"n": local})["n"]
         opt.zero_grad(set_to_none=True)
         finite = True
         for i, mb in enumerate(mbs):  # (bf16 outside FSDP: the masters add up and reduce the gradients in fp32)
-            with model_lib.grad_sync(policy, last=i == len(mbs) - 1 and masters is None):
-                logprobs, _ = policy(mb, cfg.temperature)
-                loss, loss_metrics = policy_loss(
-                    logprobs, mb.old, mb.adv, mb.loss_mask, pg_mask=mb.pg_mask, eps_low=cfg.eps_low,
-                    eps_high=cfg.eps_high, clip_ratio_c=cfg.clip_ratio_c, ref_logprobs=mb.ref, kl_coef=cfg.kl_coef,
-                    agg=cfg.agg, denom=denom, tis_cap=cfg.tis_cap or None, behaviour_logprobs=mb.behaviour)
-                (loss * model_lib.world()).backward()
+            with distributed.grad_sync(policy, last=i == len(mbs) - 1 and masters is None):
+                logprobs, entropy = policy(mb, cfg.temperature)
+                loss, metrics = micro_batch_loss(mb, logprobs, entropy, denom, cfg)
+                (loss * distributed.world()).backward()
             if masters is not None:
                 masters.take_grads()
             finite &= bool(torch.isfinite(loss))
-            ratio = loss_metrics.pop("ratio/max")
-            for k in loss_metrics:  # every rank sums the same keys in update(), whatever it trained on
-                totals.setdefault(k, 0.0)
-            if mb.empty or not model_lib.counts():
-                continue
-            # policy_loss's metrics are means over this micro-batch's pg_mask tokens (the KL: loss_mask tokens);
-            # weighted by those counts here, update() divides them by the step's counts (prepare's)
-            ratio_max = max(ratio_max, ratio)  # a max, not a mean
-            for k, v in loss_metrics.items():  # the loss already carries the global denominator: it adds up
-                weight = 1 if k == "loss/policy" else (mb.loss_mask if k == "loss/kl" else mb.pg_mask).sum().item()
-                totals[k] += v * weight
+            # loss/policy: the loss that trains, terms added in micro_batch_loss included. Each micro-batch's
+            # carries the step's denominator, so they add up to the update's; the step's is the mean over updates
+            metrics["loss/policy"] = Mean(loss.item(), 0)
+            tally.add(metrics, counted=not mb.empty and seqpar.counts())
+        tally.add({"loss/policy": Mean(0.0, 1)}, counted=distributed.rank() == 0)
         if masters is not None:
             masters.reduce_grads()
-        grad_norm = model_lib.full_tensor(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-        if not (model_lib.all_true(finite) and torch.isfinite(grad_norm)):
+        grad_norm = distributed.full_tensor(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        if not (distributed.all_true(finite) and torch.isfinite(grad_norm)):
             opt.zero_grad(set_to_none=True)
             skipped += 1
             continue
@@ -288,43 +280,7 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg,
         if masters is not None:
             masters.copy_to_model()
     opt.zero_grad(set_to_none=True)  # no gradient outlives the update (a colocated engine wakes into that memory)
-    return totals, ratio_max, skipped, grad_norm
-
-
-KL_HISTORY = 10  # steps whose engine/trainer KL the jump check compares with (their median)
-# ... and the least median it compares with: over a few hundred tokens a step bf16 noise swings from 1e-7 to
-# 4e-5 (the tiny model: 246x between two healthy steps), so a jump is measured from at least this
-KL_FLOOR = 5e-5
-
-
-def engine_gap_check(kl: float, diff_max: float, cfg, recent: list) -> None:
-    """A rollout engine that disagrees with the trainer about the tokens the very same weights sampled is stale
-    (a weight sync that did not land) or wrong (weights, kernels), and every sample it makes trains on
-    garbage: stop before the update, or warn. The statistic is the mean per-token KL between them, not the
-    largest gap: bf16 engines and trainers differ by noise whose largest value grows with the tokens compared
-    (3.5 nats have been reported on a MoE model) while its mean stays put. Its noise level depends on the
-    model and the dtype (fp32 ~1e-12, the tiny model in bf16 ~3e-5, reports on 8-30B models in bf16 ~1e-3), so
-    two tests: past --engine-kl-jump times the median of the last KL_HISTORY steps, or KL_FLOOR when that is
-    less (an engine that stopped following the trainer; a fresh run has no history, and its first rollout
-    comes from the weights both loaded), or past --max-engine-kl whatever the history. `recent` is that history;
-    this step's value joins it."""
-    baseline = max(sorted(recent)[len(recent) // 2], KL_FLOOR) if recent else None
-    why = None
-    if cfg.max_engine_kl and kl > cfg.max_engine_kl:
-        why = f"past --max-engine-kl {cfg.max_engine_kl}: its weights or kernels are wrong"
-    elif cfg.engine_kl_jump and baseline and kl > cfg.engine_kl_jump * baseline:
-        why = (f"{kl / baseline:.0f}x the median of the last {len(recent)} steps (at least {KL_FLOOR:g}: "
-               f"{baseline:.3g}), past --engine-kl-jump {cfg.engine_kl_jump}: the engine is stale (a weight sync "
-               f"that did not land?)")
-    recent[:] = (recent + [kl])[-KL_HISTORY:]
-    if why is None:
-        return
-    message = (f"the rollout engine and the trainer disagree on the tokens the current weights sampled: mean KL "
-               f"{kl:.3g} per token (rollout/engine_kl; largest log-prob gap {diff_max:.3g} nats), {why}")
-    if cfg.on_engine_kl == "stop":
-        raise RuntimeError(message + "; stopping before the update (--on-engine-kl warn trains on)")
-    if model_lib.rank() == 0:
-        print(f"WARNING: {message}", file=sys.stderr, flush=True)
+    return tally, skipped, grad_norm
 
 
 def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg, masters=None,
@@ -338,45 +294,33 @@ def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: in
     Returns the step's training metrics."""
     samples = [s for g in groups for s in g]
     minis = plan_micro_batches(samples, sample_advantages(groups), pad_id, cfg)
-    stats, diff_max, gap_hist, top = prepare(policy, ref, minis, version, cfg)
+    gap = engine_gap.Gap()
+    stats = prepare(policy, ref, minis, version, cfg, gap)
     if probe is not None and (probes := probe()):  # their log-probs beside the engine's: only the gap's sums kept
-        extra, extra_max, extra_hist, extra_top = prepare(
-            policy, None, plan_micro_batches(probes, torch.zeros(len(probes)), pad_id, cfg), version, cfg)
-        for k in ("diff_sum", "diff_n", "kl_sum", "route_differ", "route_compared"):
+        extra = prepare(policy, None, plan_micro_batches(probes, torch.zeros(len(probes)), pad_id, cfg), version, cfg,
+                        gap)
+        for k in ("route_differ", "route_compared"):
             stats[k] += extra[k]
-        diff_max, gap_hist, top = max(diff_max, extra_max), gap_hist + extra_hist, top + extra_top
-    stats, diff_max = model_lib.all_sum(stats), model_lib.all_max(diff_max)  # every rank's, before the check
-    gap_hist = model_lib.all_sum_tensor(gap_hist)
-    top = [x for rank_top in model_lib.gather_objects(top) for x in rank_top]
-    engine_kl = trimmed_kl(stats["kl_sum"], stats["diff_n"], top)
-    if engine_kl is not None:
-        engine_gap_check(engine_kl, diff_max, cfg, [] if recent_kl is None else recent_kl)
-    totals, ratio_max, skipped, grad_norm = optimize(policy, opt, sched, minis, cfg, masters)
-    totals = model_lib.all_sum(totals)
-    pg_tokens, loss_tokens = max(stats["pg_tokens"], 1), max(stats["loss_tokens"], 1)
-    ratio_max = model_lib.all_max(ratio_max)
-    out = {k: v / len(minis) if k == "loss/policy" else v / (loss_tokens if k == "loss/kl" else pg_tokens)
-           for k, v in totals.items()}
-    out["ratio/max"] = ratio_max
-    out = {k: (v if math.isfinite(v) else None) for k, v in out.items()}  # JSON has no NaN
+    stats = distributed.all_sum(stats)  # every rank's, before the check
+    gap.reduce()
+    if (engine_kl := gap.kl()) is not None:
+        engine_gap.check(engine_kl, gap.largest, cfg, [] if recent_kl is None else recent_kl)
+    tally, skipped, grad_norm = optimize(policy, opt, sched, minis, cfg, masters)
+    out = tally.reduce()
     out.update({"train/samples": len(samples), "train/lr": sched.get_last_lr()[0],
-                "train/grad_norm": grad_norm.item() if torch.isfinite(grad_norm) else None,
+                "train/grad_norm": grad_norm.item(),
                 "train/optimizer_steps": len(minis) - skipped, "train/skipped_updates": skipped,
                 "entropy/mean": stats["entropy"] / max(stats["tokens"], 1),
                 # of the response tokens: dropped from the policy-gradient term by DMMPTs (still in the
                 # denominator and the KL), and left out of the loss whole by --overlong filter
                 "mpt/masked_frac": (stats["loss_tokens"] - stats["pg_tokens"]) / max(stats["tokens"], 1),
                 "overlong/filtered_frac": 1 - stats["loss_tokens"] / max(stats["tokens"], 1),
-                # unknown (null), not perfect, when no trained token came from the current weights
-                "rollout/engine_kl": engine_kl,
-                "rollout/logprob_diff_max": diff_max if stats["diff_n"] else None,
-                "rollout/logprob_diff_mean": stats["diff_sum"] / stats["diff_n"] if stats["diff_n"] else None,
-                "rollout/logprob_diff_p99": min(quantile(gap_hist, 0.99), diff_max) if stats["diff_n"] else None,
+                **gap.metrics(),
                 **staleness(samples, version)})
     if cfg.routing_replay != "false":  # of the (token, layer) decisions these weights made in the engine
         out["rollout/routing_mismatch"] = stats["route_differ"] / stats["route_compared"] \
             if stats["route_compared"] else None
-    return out
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in out.items()}  # JSON: no NaN
 
 
 def count_bad_steps(record: dict, state: RunState, cfg, warn: bool = True) -> None:

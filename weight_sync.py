@@ -8,7 +8,7 @@ skips. This file supplies the three pieces the trainer needs:
 
 - `HFSource`: the trainer's weights as vLLM reads them, in the checkpoint's layout and names (transformers
   keeps a Mixture-of-Experts layer's experts fused in one tensor; a checkpoint, and vLLM's loader, one per
-  expert), gathered from the FSDP shards a decoder layer at a time (model.hf_weights).
+  expert), gathered from the FSDP shards a decoder layer at a time (distributed.hf_weights).
 - `LLMClient`: the control plane, four calls on the `vllm.LLM` object (`collective_rpc` to its workers,
   in this process or in the engine's own); `send` finishes the workers' update when a sync fails midway.
 - a gloo backend (`GlooEngine` in the workers, `GlooTrainer` in the trainer), registered in vLLM's
@@ -38,7 +38,7 @@ from vllm.distributed.weight_transfer import (ParamMeta, TrainerWeightTransferEn
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES
 
-import model as model_lib
+import distributed
 
 TIMEOUT = timedelta(minutes=30)  # a rendezvous or one tensor's broadcast; a 30B model's sync takes seconds
 
@@ -51,13 +51,13 @@ class HFSource(WeightSource):
     def __init__(self, lm, dtype: torch.dtype | None = None, device: torch.device | None = None):
         self.lm, self.dtype, self.device = lm, dtype, device
         self._meta = [ParamMeta(name, dtype or t.dtype, tuple(t.shape))
-                      for name, t in model_lib.hf_weights(lm, on_meta=True)]
+                      for name, t in distributed.hf_weights(lm, on_meta=True)]
 
     def metadata(self) -> list[ParamMeta]:
         return self._meta
 
     def __iter__(self):
-        for name, t in model_lib.hf_weights(self.lm, dtype=self.dtype):  # cast before the gather, as gather_only
+        for name, t in distributed.hf_weights(self.lm, dtype=self.dtype):  # cast before the gather, as gather_only
             yield name, t if self.device is None or t.device == self.device else t.to(self.device)
 
 

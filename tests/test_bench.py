@@ -1,7 +1,7 @@
 """Smoke test of bench.py: every mode runs end to end at a trivial size and prints its JSON line. No timing is
 checked here (benchmarks measure, tests don't); the figures are in the README.
 
-    python -m pytest tests/test_bench.py -q
+    python -m pytest tests/test_bench.py
 """
 import dataclasses
 import importlib.util

@@ -4,7 +4,7 @@ beside fp32 masters; FSDP2: its MixedPrecisionPolicy). On one batch the masters 
 FSDP2 ranks move them as one process does; the checkpoint keeps them (the HF export stays bf16), and a run
 killed with SIGKILL resumes bit for bit. CPU (this CPU runs bf16), transformers engine.
 
-    python -m pytest tests/test_bf16.py -q        # ~3 minutes on 2 cores
+    python -m pytest tests/test_bf16.py        # ~3 minutes on 2 cores
 """
 import copy
 import json
@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import kill_group, run, start
+import distributed
 import model as model_lib
 import tiny
 import ulorl
@@ -89,7 +90,7 @@ def updates(lm, groups, tok, kind, n=5):
     """n updates at lr 1e-6 on the same batch; kind: fp32, masters (bf16 compute over fp32 masters) or bf16
     (AdamW on the bf16 weights themselves). Returns the weights AdamW stepped, flattened."""
     lm = copy.deepcopy(lm)
-    masters = model_lib.MasterWeights(lm, torch.bfloat16) if kind == "masters" else None
+    masters = distributed.MasterWeights(lm, torch.bfloat16) if kind == "masters" else None
     if kind == "bf16":
         lm.to(torch.bfloat16)
     cfg = parse_config(["--lr", "1e-6", "--lr-final", "1", "--steps", str(n), "--max-engine-kl", "0"])

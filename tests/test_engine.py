@@ -2,11 +2,12 @@
 budgets and stop ids, the RNG state, inverse-CDF sampling by hand, and keyed draws that ignore the batch
 and the segmentation. (vLLM: tests/test_vllm.py.)
 
-    python -m pytest tests/test_engine.py -q
+    python -m pytest tests/test_engine.py
 """
 import pytest
 import torch
 
+import distributed
 import engine as engine_lib
 from engine import HFEngine, Sampling
 from naive import PROMPTS, TOL, ids, naive_dists
@@ -175,11 +176,11 @@ def test_bucketed_prefill_changes_nothing_but_the_padding(tok, lm):
 
 def test_balance_splits_by_expected_tokens_by_hand():
     # one long request and ten short ones: a split by count (6 / 5) would give loads 14 and 5; by tokens 10 and 9
-    parts = engine_lib.balance([10] + [1] * 9 + [0.5] * 2, 2)
+    parts = distributed.balance([10] + [1] * 9 + [0.5] * 2, 2)
     assert parts == [[0], list(range(1, 12))]
     assert sorted(i for p in parts for i in p) == list(range(12))
-    assert engine_lib.balance([4, 3, 3, 2, 2, 2], 3) == [[0, 5], [1, 3], [2, 4]]  # loads 6, 5, 5
-    assert engine_lib.balance([1.0], 3) == [[0], [], []]
+    assert distributed.balance([4, 3, 3, 2, 2, 2], 3) == [[0, 5], [1, 3], [2, 4]]  # loads 6, 5, 5
+    assert distributed.balance([1.0], 3) == [[0], [], []]
     assert engine_lib.core_shares({0, 1, 2, 3, 5}, 2) == [[0, 1], [2, 3, 5]]
     assert engine_lib.core_shares({1}, 2) == [[1], [1]]
     assert engine_lib.bound_cores("0-2|5") == {0, 1, 2, 5} and engine_lib.bound_cores("auto") == set()

@@ -4,7 +4,7 @@ current weights sampled (rollout/engine_kl, logged with the gap's mean, p99 and 
 recent history and with an absolute ceiling; the largest gap grows with the tokens compared, so it is logged,
 not tested. The runs use vLLM's CPU build in bfloat16, on the tiny dense model and a tiny qwen3_moe.
 
-    python -m pytest tests/test_engine_gap.py -q        # ~4 minutes on 2 cores; the vLLM runs skip without vLLM
+    python -m pytest tests/test_engine_gap.py        # ~4 minutes on 2 cores; the vLLM runs skip without vLLM
 """
 import json
 import os
@@ -16,7 +16,7 @@ import torch
 
 from conftest import run
 import tiny
-import ulorl
+import engine_gap
 from config import parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,24 +27,24 @@ BF16_VLLM = ["--engine", "vllm", "--dtype", "bfloat16", "--eval-data", "", "--du
 def test_the_check_compares_with_the_recent_median_and_a_ceiling():
     cfg = parse_config([])  # defaults: --max-engine-kl 0.1, --engine-kl-jump 10
     recent = []
-    ulorl.engine_gap_check(5e-4, 0.1, cfg, recent)  # no history: only the ceiling applies
+    engine_gap.check(5e-4, 0.1, cfg, recent)  # no history: only the ceiling applies
     for kl in (1e-4, 3e-4, 2e-4):
-        ulorl.engine_gap_check(kl, 0.1, cfg, recent)
+        engine_gap.check(kl, 0.1, cfg, recent)
     assert recent == [5e-4, 1e-4, 3e-4, 2e-4]
-    ulorl.engine_gap_check(2.9e-3, 0.1, cfg, recent)  # 9.7x the median (3e-4): noise that grew, not a stale engine
+    engine_gap.check(2.9e-3, 0.1, cfg, recent)  # 9.7x the median (3e-4): noise that grew, not a stale engine
     with pytest.raises(RuntimeError, match=r"11x the median of the last 5 steps .* the engine is stale"):
-        ulorl.engine_gap_check(3.3e-3, 0.1, cfg, recent)
+        engine_gap.check(3.3e-3, 0.1, cfg, recent)
     with pytest.raises(RuntimeError, match=r"past --max-engine-kl 0.1"):
-        ulorl.engine_gap_check(0.2, 3.0, cfg, [])
+        engine_gap.check(0.2, 3.0, cfg, [])
     assert len(recent) == 6  # a failing value joins the history too
     for _ in range(20):
-        ulorl.engine_gap_check(1e-7, 0.1, cfg, recent)
-    assert recent == [1e-7] * ulorl.KL_HISTORY
-    ulorl.engine_gap_check(4e-4, 0.1, cfg, recent)  # 4000x a tiny median, but under 10x the floor: bf16 noise
+        engine_gap.check(1e-7, 0.1, cfg, recent)
+    assert recent == [1e-7] * engine_gap.KL_HISTORY
+    engine_gap.check(4e-4, 0.1, cfg, recent)  # 4000x a tiny median, but under 10x the floor: bf16 noise
     with pytest.raises(RuntimeError, match="the engine is stale"):
-        ulorl.engine_gap_check(6e-4, 0.1, cfg, recent)
+        engine_gap.check(6e-4, 0.1, cfg, recent)
     off = parse_config(["--engine-kl-jump", "0", "--max-engine-kl", "0"])
-    ulorl.engine_gap_check(50.0, 100.0, off, [1e-9])
+    engine_gap.check(50.0, 100.0, off, [1e-9])
 
 
 def test_one_or_two_bf16_outliers_do_not_stop_the_run_and_a_stale_engine_does():
@@ -56,22 +56,22 @@ def test_one_or_two_bf16_outliers_do_not_stop_the_run_and_a_stale_engine_does():
     k3 = lambda d: (d.exp() - 1 - d).double()  # noqa: E731
     for outliers in ([3.5], [3.5, -2.0], [2.0]):
         d = torch.cat([noise, torch.tensor(outliers)])
-        kl = ulorl.trimmed_kl(k3(d).sum().item(), d.numel(), k3(d).topk(2).values.tolist())
+        kl = engine_gap.trimmed_kl(k3(d).sum().item(), d.numel(), k3(d).topk(2).values.tolist())
         assert kl < 1e-5, (outliers, kl)
-        ulorl.engine_gap_check(kl, 3.5, cfg, [1e-3] * 10)  # neither test fires
+        engine_gap.check(kl, 3.5, cfg, [1e-3] * 10)  # neither test fires
     stale = torch.full((256,), 0.05)  # one update behind: every token off
-    kl = ulorl.trimmed_kl(k3(stale).sum().item(), 256, k3(stale).topk(2).values.tolist())
+    kl = engine_gap.trimmed_kl(k3(stale).sum().item(), 256, k3(stale).topk(2).values.tolist())
     assert kl == pytest.approx(k3(stale[:1]).item(), rel=1e-6)
     with pytest.raises(RuntimeError, match="the engine is stale"):
-        ulorl.engine_gap_check(kl, 0.05, cfg, [1e-6] * 10)
-    assert ulorl.trimmed_kl(0.0, 0, []) is None and ulorl.trimmed_kl(3.0, 3, [1.0, 1.0, 1.0]) == 1.0
+        engine_gap.check(kl, 0.05, cfg, [1e-6] * 10)
+    assert engine_gap.trimmed_kl(0.0, 0, []) is None and engine_gap.trimmed_kl(3.0, 3, [1.0, 1.0, 1.0]) == 1.0
 
 
 def test_p99_from_the_histogram_is_within_a_bin_of_the_exact_quantile():
     gaps = torch.distributions.LogNormal(-6, 2).sample((100_000,)).double()
-    hist = torch.histc(gaps.log10(), ulorl.GAP_BINS[2], *ulorl.GAP_BINS[:2])
+    hist = torch.histc(gaps.log10(), engine_gap.GAP_BINS[2], *engine_gap.GAP_BINS[:2])
     exact = torch.quantile(gaps[:50_000], 0.99).item()  # torch.quantile's input size limit; same distribution
-    got = ulorl.quantile(hist, 0.99)
+    got = engine_gap.quantile(hist, 0.99)
     assert exact <= got * 1.15 and got <= exact * 1.3, (got, exact)
 
 

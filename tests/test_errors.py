@@ -1,7 +1,7 @@
 """Nothing silently wrong: every flag is checked before anything loads, an output folder holding a run is never
 written over or mixed, and bad data rows, sampling edge values and NaN statistics get clear handling.
 
-    python -m pytest tests/test_errors.py -q
+    python -m pytest tests/test_errors.py
 """
 import hashlib
 import json

@@ -1,7 +1,7 @@
 """eval.py: the metrics against brute force and hand-made results, segmented sampling, benchmarks from
 jsonl / parquet / a saved Hugging Face dataset, and the real entry point as a subprocess with a tiny budget.
 
-    python -m pytest tests/test_eval.py -q
+    python -m pytest tests/test_eval.py
 """
 import itertools
 import json

@@ -10,7 +10,7 @@ comparison and the overlap run's criteria (engine_lag, replica_idle) pass and fa
 check's comparison, run on the CPU with sdpa against its per-sequence reference, passes right boundaries and
 catches wrong ones; and the Hugging Face cache it builds resolves the hub name offline.
 
-    python -m pytest tests/test_gpu_check.py -q      # ~50 s on 2 cores
+    python -m pytest tests/test_gpu_check.py      # ~50 s on 2 cores
 """
 import importlib.util
 import json
@@ -373,8 +373,8 @@ def test_routing_comparison(tmp_path):
     assert "replay widened the engine/trainer gap" in wider["error"]
     noise = check.compare_routing([kl(replay, 1.9 * check.REPLAY_KL_FLOOR), kl(record, 1e-7)])
     assert noise["ok"], "under the floor both are bf16 noise"
-    import ulorl
-    assert check.REPLAY_KL_FLOOR == ulorl.KL_FLOOR
+    import engine_gap
+    assert check.REPLAY_KL_FLOOR == engine_gap.KL_FLOOR
     assert "the record run did not run" in check.compare_routing([replay])["error"]
     failed = check.compare_routing([replay, dict(record, ok=False, error="exit status 1")])
     assert not failed["ok"] and "the record run failed" in failed["error"]
@@ -448,7 +448,7 @@ def test_overlap_criteria(tmp_path):
 
 
 def test_kernel_comparison_on_cpu():
-    """The kernel check's harness on the CPU (varlen needs a GPU): model._attend's sdpa kernel on a packed row in
+    """The kernel check's harness on the CPU (varlen needs a GPU): seqpar._attend's sdpa kernel on a packed row in
     bf16 agrees with sdpa run on each sequence alone within KERNEL_RTOL; with the row's boundaries wrong (a
     sequence run into the next) it does not; and a NaN counts as a disagreement."""
     import torch

@@ -4,7 +4,7 @@ micro-batches, the k3 KL, the DMMPT mask, chunked token log-probs/entropy, the l
 importance sampling. Expected values are computed by hand (arithmetic in the comments) or by a naive
 per-token Python loop over the papers' formula. CPU, a few seconds.
 
-    python -m pytest tests/test_loss.py -q
+    python -m pytest tests/test_loss.py
 """
 
 import math
@@ -446,10 +446,16 @@ def test_token_logprobs_matches_naive(chunk):
     assert lp.shape == (N,) and ent.shape == (N,)
     torch.testing.assert_close(lp, lp_ref.detach(), atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, ent_ref.detach(), atol=1e-5, rtol=0)
-    assert not ent.requires_grad and lp.requires_grad
+    assert ent.requires_grad and lp.requires_grad  # an entropy term in the loss trains
 
     (lp * coef).sum().backward()
     (lp_ref * coef).sum().backward()
+    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=0)
+    torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=0)
+    h1.grad = w1.grad = h2.grad = w2.grad = None
+    ent = token_logprobs(h1, w1, targets, temperature=temp, chunk=chunk)[1]
+    (ent * coef).sum().backward()  # the entropy's gradient through the checkpointed chunks
+    (_naive_logprobs_entropy(h2, w2, targets, temp)[1] * coef).sum().backward()
     torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=0)
     torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=0)
 

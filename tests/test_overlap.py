@@ -5,7 +5,7 @@ noise: the sync reached the engine); a run killed between steps resumes bit for 
 the last update is in the checkpoint's pools and run state). --overlap 0 is the synchronous loop, pinned by
 tests/test_golden.py.
 
-    python -m pytest tests/test_overlap.py -q      # ~1.5 minutes on 2 cores (three vLLM engine processes)
+    python -m pytest tests/test_overlap.py      # ~1.5 minutes on 2 cores (three vLLM engine processes)
 """
 import importlib.util
 import json

@@ -3,7 +3,7 @@
 padded micro-batches and as one unpadded forward per sample; gradient checkpointing gives the same
 gradients as without it. CPU, a few seconds.
 
-    python -m pytest tests/test_packing.py -q
+    python -m pytest tests/test_packing.py
 """
 import random
 

@@ -4,7 +4,7 @@ error when a model cannot reach a context, the memory vLLM is given, and what --
 functions and --plan runs on a local copy of Qwen3-30B-A3B's config.json in a Hugging Face cache layout: nothing
 is downloaded or loaded.
 
-    python -m pytest tests/test_placement.py -q        # ~20 s
+    python -m pytest tests/test_placement.py        # ~20 s
 """
 import dataclasses
 import os
@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from conftest import ROOT, hub_cache, run
+from routing import routing_dtype
 import model as model_lib
 import plan as plan_lib
 from config import engine_placement, parse_config
@@ -196,13 +197,13 @@ def test_routing_replay_at_the_papers_scale(tmp_path):
     cfg.rollout_tp = 2
     plan = plan_lib.make_plan(shape, cfg, 6, 2, True)
     full = 2048 + 131072
-    assert shape.layers * shape.experts_per_token == 384 and model_lib.routing_dtype(shape.experts).itemsize == 1
+    assert shape.layers * shape.experts_per_token == 384 and routing_dtype(shape.experts).itemsize == 1
     assert plan.host["routing records (rank 0)"] == 1024 * full * 384 == 48.75 * 2**30
     assert plan.host["batch's routing (every rank)"] == 2 * 1024 * full * 384
     assert plan.host["routing replay ids (every rank)"] == 342 * full * 776 + 66560 * 768  # 32.95 GiB
     assert plan.trainer["routing replay ids"] == 66560 * 8 * 8
     wide = plan_lib.make_plan(dataclasses.replace(shape, experts=512), cfg, 6, 2, True)
-    assert model_lib.routing_dtype(512).itemsize == 2 and wide.host["routing records (rank 0)"] == 1024 * full * 768
+    assert routing_dtype(512).itemsize == 2 and wide.host["routing records (rank 0)"] == 1024 * full * 768
     off = plan_lib.make_plan(shape, dataclasses.replace(cfg, routing_replay="false"), 6, 2, True)
     assert off.trainer_total == plan.trainer_total - plan.trainer["routing replay ids"]
     assert not [k for k in (*off.trainer, *off.host) if "routing" in k]

@@ -3,7 +3,7 @@ fit stopping before it loads anything, sharded loading under 2 FSDP2 ranks givin
 from_pretrained gives, and checkpoints written a layer at a time (several safetensors shards and an index)
 that transformers and vLLM load. The plan against measured peaks: test_distributed.py and `python plan.py check`.
 
-    python -m pytest tests/test_plan.py -q          # ~2 minutes on 2 cores; the vLLM part skips without vLLM
+    python -m pytest tests/test_plan.py          # ~2 minutes on 2 cores; the vLLM part skips without vLLM
 """
 import json
 import os
@@ -15,6 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from conftest import run
+import checkpoint
+import distributed
+from routing import Routing, routing_dtype
 import model as model_lib
 import plan as plan_lib
 import tiny
@@ -126,7 +129,7 @@ def test_streamed_checkpoint_loads_in_transformers(moe_dir, tmp_path):
     """Written a layer at a time into shards of at most 200 kB: several files and an index, each tensor in
     the first file with room; from_pretrained gives back exactly the model that was saved."""
     lm = AutoModelForCausalLM.from_pretrained(moe_dir)
-    model_lib.save_weights(lm, model_lib.hf_weights(lm), tiny.make_tokenizer(), str(tmp_path / "ckpt"), 200_000)
+    checkpoint.save_weights(lm, distributed.hf_weights(lm), tiny.make_tokenizer(), str(tmp_path / "ckpt"), 200_000)
     index = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
@@ -142,7 +145,7 @@ def test_streamed_checkpoint_loads_in_vllm(tmp_path):
     """The same sharded layout through vLLM's loader: eval.py on it gives the same greedy answers as on the
     single-file original."""
     lm = AutoModelForCausalLM.from_pretrained(tiny.CKPT)
-    model_lib.save_weights(lm, model_lib.hf_weights(lm), tiny.make_tokenizer(), str(tmp_path / "ckpt"), 1_000_000)
+    checkpoint.save_weights(lm, distributed.hf_weights(lm), tiny.make_tokenizer(), str(tmp_path / "ckpt"), 1_000_000)
     assert (tmp_path / "ckpt" / "model.safetensors.index.json").exists()
     answers = []
     for path in (tiny.CKPT, tmp_path / "ckpt"):
@@ -162,7 +165,7 @@ if __name__ == "__main__":  # one rank of test_sharded_loading_gives_the_pretrai
     lm = model_lib.load_sharded(path)[1]
     want = AutoModelForCausalLM.from_pretrained(path)
     params, buffers = dict(want.named_parameters()), dict(want.named_buffers())
-    bad = [n for n, p in lm.named_parameters() if not torch.equal(model_lib.full_tensor(p).detach(), params[n])]
+    bad = [n for n, p in lm.named_parameters() if not torch.equal(distributed.full_tensor(p).detach(), params[n])]
     bad += [n for n, b in lm.named_buffers() if not torch.equal(b, buffers[n])]
     assert lm.named_parameters() and not bad, bad
     if dist.get_rank() == 0:
@@ -207,7 +210,7 @@ def test_routing_replay_items_are_what_the_step_holds(moe_dir):
     full, routed = 8 + 24, shape.layers * shape.experts_per_token
     samples = [Sample(uid=i, group=i // 2, prompt_ids=[1] * 8, row={}, tokens=[2] * 24, logprobs=[0.0] * 24,
                       versions=[0] * 24, finish="truncated", reward=float(i % 2),
-                      routing=torch.randint(0, 4, (full - 1, shape.layers, 2), dtype=model_lib.routing_dtype(4)))
+                      routing=torch.randint(0, 4, (full - 1, shape.layers, 2), dtype=routing_dtype(4)))
                for i in range(6)]
     plan = plan_lib.make_plan(shape, cfg, 1, 1, False)
     mbs = [mb for mini in ulorl.plan_micro_batches(samples, torch.zeros(6), 0, cfg) for mb in mini]
@@ -215,7 +218,7 @@ def test_routing_replay_items_are_what_the_step_holds(moe_dir):
     T = max(cfg.max_tokens_per_micro_batch, full)
     assert held == 6 * full * (routed * 2 + 8) and plan.host["routing replay ids (every rank)"] == held + T * routed * 2
     assert plan.trainer["routing replay ids"] == T * 2 * 8  # the running layer's [tokens, top_k] int64 slice
-    routing = model_lib.Routing(lm)
+    routing = Routing(lm)
     model_lib.response_logprobs(lm, mbs[0], 1.0)
     assert routing.replay.nbytes == mbs[0].input_ids.numel() * routed * 2 <= T * routed * 2
     slots = cfg.prompts_per_step * cfg.group_size

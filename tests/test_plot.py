@@ -1,7 +1,7 @@
 """plot.py on two small synthetic runs (nulls in the step-0 record, as train.py writes them): every figure is
 written as a valid, non-empty PNG, into --out or the first run directory.
 
-    python -m pytest tests/test_plot.py -q
+    python -m pytest tests/test_plot.py
 """
 import json
 import os

@@ -2,7 +2,7 @@
 run ends; unfinished samples survive the crash; damaged checkpoints are skipped; a NaN loss is skipped;
 SIGTERM leaves a loadable checkpoint. CPU, fp32, transformers engine.
 
-    python -m pytest tests/test_resume.py -q
+    python -m pytest tests/test_resume.py
 """
 import json
 import os

@@ -3,7 +3,7 @@ adversarial inputs), the tiny task, Reasoning Gym and instruction-following rewa
 (with real, tiny judge models trained here in seconds), overlong handling, and the worker pool's ordering,
 error and timeout accounting. Values are computed by hand. (Code rewards: tests/test_sandbox.py.)
 
-    OMP_NUM_THREADS=1 python -m pytest tests/test_reward.py -q
+    OMP_NUM_THREADS=1 python -m pytest tests/test_reward.py
 """
 
 import json
@@ -383,7 +383,7 @@ def test_reasoning_gym_answers_run_no_code(tmp_path):
 
 
 def test_answer_extraction_is_linear():
-    """Extraction runs in the trainer's and eval.py's own process (maj@k, data.py clean), where no worker
+    """Extraction runs in the trainer's and eval.py's own process (maj@k, clean.py), where no worker
     timeout applies: 15,000 unclosed <answer> took 20 s."""
     start = time.perf_counter()
     assert reward.final_answer("rg", "<answer>" * 15_000) == "<answer>" * 15_000  # no pair: the last line

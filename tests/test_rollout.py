@@ -2,7 +2,7 @@
 behaviour log-probs of continued samples), an uneven last segment, and the overlong reward of truncated
 samples. The engine is the transformers one over a small random model (tests/conftest.py).
 
-    python -m pytest tests/test_rollout.py -q
+    python -m pytest tests/test_rollout.py
 """
 import pytest
 import torch

@@ -5,7 +5,7 @@ update (pi_old, the reference, the loss and checkpointing's recompute) uses exac
 replaying the router's own choice changes nothing, the router's gradient still flows; a run with replay
 resumes bit for bit; dense models and vLLM on CPU are refused.
 
-    python -m pytest tests/test_routing.py -q      # ~1 minute on 2 cores
+    python -m pytest tests/test_routing.py      # ~1 minute on 2 cores
 """
 import json
 import os
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import config
+from routing import Routing, routing_mismatch
 import model as model_lib
 import tiny
 import ulorl
@@ -43,7 +44,7 @@ def random_routes(layers, tokens, experts=16, k=4, seed=0):
 
 def test_replay_uses_the_given_experts_with_the_routers_weights():
     lm = moe()
-    routing = model_lib.Routing(lm)
+    routing = Routing(lm)
     routing.recorded = []
     own_logits = lm(IDS).logits
     own = list(routing.recorded)
@@ -57,7 +58,7 @@ def test_replay_uses_the_given_experts_with_the_routers_weights():
     used = routing.recorded
     assert torch.equal(used[0], routes[0]) and torch.equal(used[1][3:], routes[1][3:])
     assert not torch.equal(replayed_logits, own_logits)
-    assert model_lib.routing_mismatch(own[0], used[0]) > 0.5 and model_lib.routing_mismatch(own[0], own[0]) == 0
+    assert routing_mismatch(own[0], used[0]) > 0.5 and routing_mismatch(own[0], own[0]) == 0
     # the router still learns: its weight gets a gradient through the replayed experts' gate weights
     replayed_logits.sum().backward()
     assert all(g.weight.grad is not None and g.weight.grad.abs().sum() > 0 for g in routing.gates)
@@ -66,7 +67,7 @@ def test_replay_uses_the_given_experts_with_the_routers_weights():
 def test_routing_mismatch_by_hand():
     own = torch.tensor([[1, 2], [3, 4], [5, 6]])
     other = torch.tensor([[2, 1], [3, 5], [5, 6]])  # the same set in another order counts as agreeing
-    assert model_lib.routing_mismatch(own, other) == pytest.approx(1 / 3)
+    assert routing_mismatch(own, other) == pytest.approx(1 / 3)
 
 
 def test_checkpointing_recomputes_with_the_replayed_experts():
@@ -79,7 +80,7 @@ def test_checkpointing_recomputes_with_the_replayed_experts():
         if checkpointing:
             lm.gradient_checkpointing_enable()
         lm.train()
-        routing = model_lib.Routing(lm)
+        routing = Routing(lm)
         routing.replay = routes
         lm(IDS).logits.square().mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in lm.parameters() if p.grad is not None]))
@@ -88,12 +89,12 @@ def test_checkpointing_recomputes_with_the_replayed_experts():
 
 def test_dense_models_are_refused():
     with pytest.raises(ValueError, match="no Mixture-of-Experts layers"):
-        model_lib.Routing(tiny.make_model(tiny.make_tokenizer()))
+        Routing(tiny.make_model(tiny.make_tokenizer()))
 
 
 def own_routing(lm, tokens: list[int]) -> torch.Tensor:
     """What one full forward over `tokens` routes each position to: [positions, layers, top_k]."""
-    routing = model_lib.Routing.of(lm)
+    routing = Routing.of(lm)
     saved, (routing.replay, routing.recorded) = routing.replay, (None, [])
     with torch.no_grad():
         lm(torch.tensor([tokens]))
@@ -168,7 +169,7 @@ def test_every_trainer_forward_uses_the_engines_experts(routes):
     cfg = config.parse_config(["--routing-replay", "true", "--mini-batch", "0", "--kl-coef", "0.01", "--pack", "true"])
     used = {}
     for name, module in (("policy", lm), ("reference", ref_lm)):
-        model_lib.Routing.of(module).recorded = used[name] = []
+        Routing.of(module).recorded = used[name] = []
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-3)
     out = ulorl.update(model_lib.wrap(lm, "none"), model_lib.wrap(ref_lm, "none", trainable=False), opt,
                        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), groups, 0, tok.pad_token_id, cfg)
@@ -186,7 +187,7 @@ def test_every_trainer_forward_uses_the_engines_experts(routes):
         assert out["rollout/routing_mismatch"] == 0.0
     else:
         assert out["rollout/routing_mismatch"] > 0.5
-    assert all(g.weight.grad is None for g in model_lib.Routing.of(lm).gates)  # zeroed after the step ...
+    assert all(g.weight.grad is None for g in Routing.of(lm).gates)  # zeroed after the step ...
     assert out["train/grad_norm"] > 0  # ... which had gradients
 
 
@@ -200,7 +201,7 @@ def test_replay_off_in_a_forward_without_routing():
     for s in samples:
         s.routing = None
     own = model_lib.response_logprobs(lm, model_lib.collate(samples, tok.pad_token_id), 1.0)[0]
-    model_lib.Routing.of(lm).replay = None
+    Routing.of(lm).replay = None
     plain = model_lib.response_logprobs(lm, model_lib.collate(samples, tok.pad_token_id), 1.0)[0]
     assert torch.equal(own, plain) and not torch.allclose(own, replayed)
 

@@ -2,7 +2,7 @@
 and renaming a re-saved step, a full disk and a read-only --out. Each would have gone through silently, or
 with a raw traceback, before.
 
-    python -m pytest tests/test_run_files.py -q
+    python -m pytest tests/test_run_files.py
 """
 import json
 import os
@@ -17,7 +17,6 @@ import torch
 
 from conftest import kill_group, run, start
 import checkpoint
-import model as model_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--eval-data", "", "--train-groups", "2", "--prompts-per-step", "2", "--max-response-len", "16",
@@ -31,8 +30,8 @@ def fake_checkpoint(path, big_mib: int = 0, extra: str = ""):
     os.makedirs(path)
     digests = {}
     if big_mib:
-        with model_lib.HashingWriter(os.path.join(path, "model-00001-of-00002.safetensors")) as f:
-            model_lib.write_safetensors({"w": torch.arange(big_mib << 18, dtype=torch.float32)}, f)
+        with checkpoint.HashingWriter(os.path.join(path, "model-00001-of-00002.safetensors")) as f:
+            checkpoint.write_safetensors({"w": torch.arange(big_mib << 18, dtype=torch.float32)}, f)
         digests["model-00001-of-00002.safetensors"] = f.digest()
     with open(os.path.join(path, "config.json"), "w") as f:  # a file a library writes: read back for its hash
         f.write("{" + extra + "}")

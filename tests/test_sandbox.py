@@ -1,7 +1,7 @@
 """Tests for sandbox.py (the code domain's sandbox) and the "code" verifier: hostile programs score 0 and
 leave the trainer and the machine as they were; correct programs score 1.
 
-    OMP_NUM_THREADS=1 python -m pytest tests/test_sandbox.py -q
+    OMP_NUM_THREADS=1 python -m pytest tests/test_sandbox.py
 """
 import glob
 import json

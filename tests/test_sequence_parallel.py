@@ -3,7 +3,7 @@ sequence boundaries give transformers' own packed forward; N gloo ranks, each ho
 give one process's log-probs and (summed) gradients, dense and Mixture-of-Experts, with KV heads split and
 replicated; whole runs under torchrun with --sp 2 end where one process ends and resume exactly.
 
-    python -m pytest tests/test_sequence_parallel.py -q      # ~3 minutes on 2 cores
+    python -m pytest tests/test_sequence_parallel.py      # ~3 minutes on 2 cores
 """
 import json
 import os
@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+from routing import Routing
+import seqpar
 import model as model_lib
 import tiny
 from conftest import close_up_to_order, free_port, run
@@ -45,7 +47,7 @@ def make(moe: bool, attention: str):
     lm = tiny.make_moe_model(tok, experts=8, top_k=2) if moe else tiny.make_model(tok)  # 4 heads, 2 KV heads
     lm.config._attn_implementation = attention
     if moe == "replay":
-        model_lib.Routing.of(lm)
+        Routing.of(lm)
     return lm
 
 
@@ -57,7 +59,7 @@ def forward_backward(lm, mb):
 
 
 def test_sequence_bounds_of_a_packed_row():
-    cu, longest = model_lib.sequence_bounds(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]))
+    cu, longest = seqpar.sequence_bounds(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]))
     assert cu.tolist() == [0, 3, 5, 9] and cu.dtype == torch.int32 and longest == 4
 
 
@@ -103,12 +105,12 @@ def test_varlen_is_called_as_each_torch_names_its_arguments(monkeypatch):
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
     for fake in (v213, v211, v210):
         monkeypatch.setattr(varlen, "varlen_attn", fake)
-        out = model_lib._attend(q, kv, kv, cu, 5, 32 ** -0.5, "varlen")
+        out = seqpar._attend(q, kv, kv, cu, 5, 32 ** -0.5, "varlen")
         assert out.shape == q.shape
     assert calls == [{"scale": 32 ** -0.5, "window_size": (-1, 0), "enable_gqa": True},
                      {"scale": 32 ** -0.5, "window_size": (-1, 0)}, {"is_causal": True}]
     with pytest.raises(ValueError, match="takes no scale"):
-        model_lib._attend(q, kv, kv, cu, 5, 0.5, "varlen")
+        seqpar._attend(q, kv, kv, cu, 5, 0.5, "varlen")
 
 
 def _sp_worker(rank, world, port, moe, out):
@@ -116,8 +118,8 @@ def _sp_worker(rank, world, port, moe, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model_lib.init_sequence_parallel(world)
-        lm = make(moe, model_lib.attention_name("sdpa", world))
+        seqpar.init_sequence_parallel(world)
+        lm = make(moe, seqpar.attention_name("sdpa", world))
         lp, ent, grads = forward_backward(lm, model_lib.collate(samples(routed=moe == "replay"), 0, pack=True))
         dist.all_reduce(grads)  # each rank's part of the gradient; DDP/FSDP sum them (they average x world)
         if rank == 0:

@@ -1,7 +1,7 @@
 """The real entry point as a subprocess with a tiny budget: the metrics.jsonl / samples.jsonl / checkpoint
 contracts that outside tools rely on, the CLI flags, and clear errors on bad data.
 
-    python -m pytest tests/test_train.py -q
+    python -m pytest tests/test_train.py
 """
 import json
 import os

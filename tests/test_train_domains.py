@@ -3,7 +3,7 @@ both sources are drawn, each scored by its own verifier, and the reward curve is
 knows its addition task, so puzzle rewards are ~0 (its character tokenizer reads the letters of a puzzle as
 <unk>); the math rows hold tiny-style sums, which it does solve.
 
-    OMP_NUM_THREADS=1 python -m pytest tests/test_train_domains.py -q
+    OMP_NUM_THREADS=1 python -m pytest tests/test_train_domains.py
 """
 import json
 import os

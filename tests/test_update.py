@@ -1,7 +1,7 @@
 """The update (ulorl.update, steps 5-6): pi_old under TOIS/SAIS/POIS on samples whose segments came from
 three policy versions, the ratio metrics, a NaN loss skipped, and ProRL's reference reset.
 
-    python -m pytest tests/test_update.py -q
+    python -m pytest tests/test_update.py
 """
 import copy
 import json

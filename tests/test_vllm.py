@@ -1,7 +1,7 @@
 """The vLLM engine, for real (vLLM's CPU build in CI): behaviour log-probs, continuation across weight
 updates, and the weight sync that other RL frameworks get wrong (stale prefix cache, tied lm_head on CPU).
 
-    python -m pytest tests/test_vllm.py -q      # skipped when vLLM is not installed
+    python -m pytest tests/test_vllm.py      # skipped when vLLM is not installed
 """
 import copy
 
@@ -130,6 +130,7 @@ def test_batch_larger_than_the_token_budget(setup):
 # A trainer whose sync fails midway (an out-of-memory error while gathering the 4th tensor), with the engine in
 # this process (CPU, one process) or in a process of its own (argv[2] "own": as on GPUs, over NCCL there)
 MIDWAY = """import sys, time
+import distributed
 import model as model_lib
 import tiny
 from engine import VLLMEngine
@@ -137,13 +138,13 @@ tok = tiny.make_tokenizer()
 lm = tiny.make_model(tok)
 engine = VLLMEngine(sys.argv[1], seed=0, dtype="float32", max_model_len=256, mem=0.25, device="cpu",
                     own_process=sys.argv[2] == "own")
-real = model_lib.hf_weights
+real = distributed.hf_weights
 def failing(module, **kw):
     for i, item in enumerate(real(module, **kw)):
         if i == 3 and not kw.get("on_meta"):
             raise MemoryError("out of memory while gathering (stand-in)")
         yield item
-model_lib.hf_weights = failing
+distributed.hf_weights = failing
 start = time.time()
 try:
     engine.update_weights(lm)
@@ -190,8 +191,8 @@ print("=== syncs", flush=True)
 engine.update_weights(lm)
 engine.update_weights(lm)
 print("=== one left out", flush=True)
-real = model_lib.hf_weights
-model_lib.hf_weights = lambda module, **kw: ((n, t) for n, t in real(module, **kw) if "0.mlp.down_proj" not in n)
+real = distributed.hf_weights
+distributed.hf_weights = lambda module, **kw: ((n, t) for n, t in real(module, **kw) if "0.mlp.down_proj" not in n)
 engine.transfer = None  # metadata taken again
 engine.update_weights(lm)
 print("=== done", flush=True)

@@ -3,7 +3,7 @@ it: vLLM's own IPC trainer engine runs with its few CUDA calls pointed at host m
 stand-in for `vllm.LLM` (sleep mode does not exist on CPU) that passes every call through vLLM's msgpack, as
 its engine client does, and reads each update out of the packed buffer, as its workers do.
 
-    python -m pytest tests/test_weight_sync.py -x -q      # skipped when vLLM is not installed
+    python -m pytest tests/test_weight_sync.py -x      # skipped when vLLM is not installed
 """
 import inspect
 import os
@@ -21,7 +21,7 @@ from vllm import envs  # noqa: E402
 from vllm.distributed.weight_transfer import packed_tensor  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
-import model as model_lib  # noqa: E402
+import distributed  # noqa: E402
 import weight_sync  # noqa: E402
 from engine import Sampling, VLLMEngine  # noqa: E402
 
@@ -138,7 +138,7 @@ def test_ipc_handles_cross_vllms_msgpack_only_when_it_may_pickle(rig, monkeypatc
     sent = ipc_args(rig.buffers[rig.handles[0][7]])
     assert rig.handles[0] == [list(a) if isinstance(a, tuple) else a for a in sent]  # msgpack: tuples as lists
     assert rig.handles[0][0] is torch.Tensor and rig.handles[0][5] == torch.uint8
-    weights = dict(model_lib.hf_weights(lm))
+    weights = dict(distributed.hf_weights(lm))
     assert rig.received.keys() == weights.keys()
     assert all(torch.equal(rig.received[n], t) for n, t in weights.items())
 
@@ -161,17 +161,17 @@ def test_a_tensor_larger_than_the_packed_buffer_goes_through(rig):
     assert weight_sync.ipc_buffer_size(meta, least) == embed.numel() * embed.element_size() > least
     assert weight_sync.ipc_buffer_size(meta, 2**30) == 2**30
     with pytest.raises(ValueError, match="exceeds buffer_size_bytes"):
-        list(packed_tensor.packed_ipc_producer(model_lib.hf_weights(lm), UUID, lambda item: item[1], least))
+        list(packed_tensor.packed_ipc_producer(distributed.hf_weights(lm), UUID, lambda item: item[1], least))
 
     size, received = weight_sync.ipc_buffer_size(meta, least), {}
-    for chunk in packed_tensor.packed_ipc_producer(model_lib.hf_weights(lm), UUID, lambda item: item[1], size):
+    for chunk in packed_tensor.packed_ipc_producer(distributed.hf_weights(lm), UUID, lambda item: item[1], size):
         assert sum(chunk.tensor_sizes) <= size
         buffer = rig.buffers[chunk.ipc_handle[UUID][7]]
         dtypes = [getattr(torch, d) for d in chunk.dtype_names]
         for name, t in packed_tensor.unpack_tensor(buffer[:sum(chunk.tensor_sizes)], chunk.names, chunk.shapes,
                                                    dtypes, chunk.tensor_sizes):
             received[name] = t.clone()
-    weights = dict(model_lib.hf_weights(lm))
+    weights = dict(distributed.hf_weights(lm))
     assert [m.name for m in meta] == list(received) == list(weights)
     assert all(torch.equal(received[n], t) for n, t in weights.items())
 
@@ -189,7 +189,7 @@ def test_colocated_engine_wakes_its_kv_cache_after_the_sync(rig):
     assert rig.calls == ["sleep 1", "wake weights", "init_weight_transfer_engine", "start_weight_update",
                          "update_weights", "finish_weight_update", "empty_cache", "wake kv_cache",
                          "reset_prefix_cache"]
-    assert all(torch.equal(rig.received[n], t) for n, t in model_lib.hf_weights(lm))
+    assert all(torch.equal(rig.received[n], t) for n, t in distributed.hf_weights(lm))
 
     rig.calls.clear()
     engine.pause()

@@ -2,7 +2,7 @@
 the overrides' numbers, their effect on the trainer, a checkpoint that keeps them, and -- when vLLM is
 installed -- the vLLM engine computing the same positions as the trainer (log-probs within 1e-4).
 
-    python -m pytest tests/test_yarn.py -q      # the vLLM test is skipped without vLLM (~30-60 s with it)
+    python -m pytest tests/test_yarn.py      # the vLLM test is skipped without vLLM (~30-60 s with it)
 """
 import pytest
 import torch

@@ -5,7 +5,7 @@ guesses until it has.
 
 The kernel check comes first, on the first GPU, in a process of its own (its CUDA memory is gone before the runs
 start; seconds of GPU time). On one packed row of 1000 + 3000 + 12000 tokens with Qwen3-30B-A3B's attention
-(32 query heads, 4 KV heads of 128, bf16), model._attend's varlen kernel (torch's FlashAttention for packed
+(32 query heads, 4 KV heads of 128, bf16), seqpar._attend's varlen kernel (torch's FlashAttention for packed
 sequences, what the trainer runs on GPU) against its sdpa one (a block-diagonal causal [L, L] mask, the CPU
 path): the output and the gradients of q, k and v (the backward of a random projection of the output) agree
 within 2e-2 (KERNEL_RTOL), both as the largest difference over the reference's largest magnitude and in norm.
@@ -142,7 +142,7 @@ ROUTING_KEYS = ("rollout/routing_mismatch", "rollout/engine_kl", "rollout/logpro
 # first step (same seed and weights) but differ after the first update, and a few steps' KL is noisy (its tail
 # tokens dominate it): 2x leaves room for that, while replayed experts that are wrong (off by a position, a layer
 # or a sample) give a random model's MLP output on those tokens, a KL many times record's. Below the floor
-# (ulorl.KL_FLOOR, bf16 noise's reach on a small model) both are noise, and their ratio says nothing.
+# (engine_gap.KL_FLOOR, bf16 noise's reach on a small model) both are noise, and their ratio says nothing.
 REPLAY_KL_RATIO, REPLAY_KL_FLOOR = 2.0, 5e-5
 # The overlap run's steps: step 1 decodes its rollout itself (engine_lag 0); steps 2 and 3 train the rollout
 # decoded during the update before them, one version old (engine_lag 1), and the gap check measures the probe each
@@ -649,11 +649,11 @@ def packed_row(lengths, device: str, dtype, seed: int = 0) -> dict:
     """One packed row of sequences of `lengths`: random query, key and value in the layout the model hands its
     attention ([1, heads, L, D], views of [1, L, heads, D]), a random projection of the output (the loss is
     their dot product, so the output's gradient is the projection), and the row's sequence boundaries from its
-    position ids, by model.sequence_bounds as the trainer finds them."""
+    position ids, by seqpar.sequence_bounds as the trainer finds them."""
     import torch
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    import model
+    import seqpar
     heads, kv_heads, dim = KERNEL_SHAPE["heads"], KERNEL_SHAPE["kv_heads"], KERNEL_SHAPE["head_dim"]
     n = sum(lengths)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -662,7 +662,7 @@ def packed_row(lengths, device: str, dtype, seed: int = 0) -> dict:
         return torch.randn(1, n, h, dim, generator=gen, device=device, dtype=dtype).transpose(1, 2)
 
     pos = torch.cat([torch.arange(k, device=device) for k in lengths])[None]
-    cu, longest = model.sequence_bounds(pos)
+    cu, longest = seqpar.sequence_bounds(pos)
     return dict(q=draw(heads), k=draw(kv_heads), v=draw(kv_heads), proj=draw(heads), cu=cu, longest=longest,
                 lengths=list(lengths))
 
@@ -670,14 +670,14 @@ def packed_row(lengths, device: str, dtype, seed: int = 0) -> dict:
 def attend(row: dict, kernel: str) -> dict:
     """Forward and backward of one kernel over `row`: the output, the gradients of q, k and v, the peak memory
     above what was allocated before it (MiB; None on the CPU) and the seconds. kernel: "varlen" or "sdpa"
-    (model._attend's), or "per_sequence": sdpa on each sequence alone with is_causal, a reference that needs no
+    (seqpar._attend's), or "per_sequence": sdpa on each sequence alone with is_causal, a reference that needs no
     mask (on a GPU never the math backend, which would hold [heads, L, L] scores)."""
     import contextlib
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    import model
+    import seqpar
     cuda = row["q"].is_cuda
     q, k, v = (row[name].detach().requires_grad_() for name in "qkv")
     scale = KERNEL_SHAPE["head_dim"] ** -0.5
@@ -695,7 +695,7 @@ def attend(row: dict, kernel: str) -> dict:
                 q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=scale, enable_gqa=True)
                 for a, b in zip(bounds, bounds[1:])], 2)
     else:
-        out = model._attend(q, k, v, row["cu"], row["longest"], scale, kernel)
+        out = seqpar._attend(q, k, v, row["cu"], row["longest"], scale, kernel)
     (out * row["proj"]).sum().backward()
     if cuda:
         torch.cuda.synchronize()
@@ -744,7 +744,7 @@ def kernel_check() -> dict:
         row = packed_row(KERNEL_ROW, "cuda", bf16)
         rec["cu_seqlens"] = f"{row['cu'].dtype} on {row['cu'].device}"
         if row["cu"].dtype != torch.int32 or not row["cu"].is_cuda:
-            problems.append(f"model.sequence_bounds gave cu_seqlens {rec['cu_seqlens']}: varlen takes int32 on the GPU")
+            problems.append(f"seqpar.sequence_bounds gave cu_seqlens {rec['cu_seqlens']}: varlen takes int32 on the GPU")
         varlen = attend(row, "varlen")
         sdpa = attend(row, "sdpa")
         diff = agreement(varlen, sdpa)
