@@ -181,7 +181,7 @@ def test_a_sync_that_fails_midway_ends_the_run_with_its_error(tmp_path, where):
 
 # Two syncs of the tiny (tied) model into an in-process engine, then one that leaves a layer's weight out
 SYNCS = """import sys
-import model as model_lib
+import distributed
 import tiny
 from engine import VLLMEngine
 tok = tiny.make_tokenizer()
