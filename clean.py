@@ -11,6 +11,7 @@ import os
 import re
 
 import reward
+import verifiers
 from data import encode_prompt, make_row, read_objects
 
 # Sub-question markers, in order: "(a) ... (b)", "(1) ... (2)", "(i) ... (ii)", "(I) ... (II)", "Part 1 ... Part 2".
@@ -97,7 +98,7 @@ def clean(args) -> dict:
         answers = []  # [model][row]: each model's final answer, one sample each
         for m in models:
             texts = generate(m, [rows[i] for i in todo], 1, args)
-            answers.append([reward.final_answer(rows[i]["verifier"], t[0]) for i, t in zip(todo, texts)])
+            answers.append([verifiers.final_answer(rows[i]["verifier"], t[0]) for i, t in zip(todo, texts)])
         for j, i in enumerate(todo):
             votes = [a[j] for a in answers if a[j]]
             top = max(set(votes), key=votes.count) if votes else None

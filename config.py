@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 import data
-import reward
+import verifiers
 import tiny
 
 
@@ -244,7 +244,7 @@ class Config:
                                  ok=POSITIVE)
     default_verifier: str = flag("math", "verifier of file rows without a 'verifier' field: math (last \\boxed{}, "
                                          "else the last number), math_boxed (\\boxed{} only), code, ifeval, rg, tiny",
-                                 choices=sorted(reward.VERIFIERS))
+                                 choices=sorted(verifiers.VERIFIERS))
     verifier_model: str = flag("", "generative verifier (UloRL 3.3): hub name or local HF directory of the judge "
                                    "model for math rows; '' = rule-based only")
     verifier_mode: str = flag("second_opinion", "with --verifier-model: second_opinion (ask the judge when the "

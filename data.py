@@ -20,7 +20,7 @@ import math
 import os
 import random
 
-import reward
+import verifiers
 import sandbox
 import tiny
 
@@ -160,7 +160,7 @@ def make_row(obj, where: str, prompt_key: str, answer_key: str, verifier_key: st
 
 
 def _check_ifeval_answer(answer: str) -> None:
-    reward.ifeval_reward("", answer)  # raises ValueError on a malformed list or an unknown constraint type
+    verifiers.ifeval_reward("", answer)  # raises ValueError on a malformed list or an unknown constraint type
 
 
 # Verifiers whose answer is JSON: checked when the row is loaded, so a bad one names its row before training.
@@ -227,7 +227,7 @@ def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
 
 # ---------------------------------------------------------------------------- Reasoning Gym and mixtures
 
-RG_INSTRUCTION = "\n\nPut your final answer within <answer></answer> tags."  # reward.rg_extract reads them
+RG_INSTRUCTION = "\n\nPut your final answer within <answer></answer> tags."  # verifiers.rg_extract reads them
 
 
 def rg_rows(spec: str, seed: int, size: int = 1000) -> list[dict]:
@@ -251,7 +251,7 @@ def rg_rows(spec: str, seed: int, size: int = 1000) -> list[dict]:
                      "where": f"rg:{name}:{i}"})
     # the scorer gets the entry back from JSON (tuples become lists) and runs in the sandbox under a guard that
     # keeps the answer a literal or an expression: make sure that still scores the gold answer
-    if json.loads(rows[0]["answer"])["answer"] is not None and (why := reward.rg_unsupported(rows[0]["answer"])):
+    if json.loads(rows[0]["answer"])["answer"] is not None and (why := verifiers.rg_unsupported(rows[0]["answer"])):
         raise ValueError(f"rg:{name}: this dataset is not supported: the library's scorer, run as training runs "
                          f"it (in the sandbox, the answer kept to a literal or an expression), does not give its "
                          f"own answer 1.0 ({why})")

@@ -1,5 +1,5 @@
 """Evaluation: avg@k, pass@k and maj@k of a model on a benchmark, sampled with the engines (engine.py) and
-scored with the verifiers (reward.py) that training uses. Writes a JSON report and prints a small table.
+scored with the verifiers (reward.py, verifiers.py) that training uses. Writes a JSON report and prints a small table.
 
     python eval.py                                    # the shipped tiny checkpoint on the tiny held-out set
     python eval.py --model runs/tiny/step_000150      # a trained one, same problems
@@ -40,7 +40,9 @@ from tqdm import tqdm
 import data
 import engine as engine_lib
 import model as model_lib
+import placement
 import reward
+import verifiers
 import tiny
 from engine import Sampling
 from segment_rollout import Pools, Sample, rollout_step
@@ -174,7 +176,7 @@ def sample_all(engine, prompt_ids: list[list[int]], rows: list[dict], k: int, ma
 def score(groups: list[list[Sample]], tokenizer, max_len: int, timeout: float, overlong: str = "zero",
           overlong_buffer: int = 0, judge: reward.Judge | None = None) -> tuple[list[dict], dict]:
     """Reward every sample (reward.score_samples, as training does) and return per-problem records:
-    correctness, rewards, final answers (reward.final_answer, for maj@k), lengths; and the reward metrics."""
+    correctness, rewards, final answers (verifiers.final_answer, for maj@k), lengths; and the reward metrics."""
     samples = [s for g in groups for s in g]
     texts = tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
     metrics = reward.score_samples(samples, texts, max_len, overlong, overlong_buffer, timeout, judge)
@@ -183,7 +185,7 @@ def score(groups: list[list[Sample]], tokenizer, max_len: int, timeout: float, o
         recs = []
         for s in g:
             truncated = s.finish == "truncated"
-            recs.append((s.reward >= 1, s.reward, None if truncated else reward.final_answer(s.row["verifier"], texts[i]),
+            recs.append((s.reward >= 1, s.reward, None if truncated else verifiers.final_answer(s.row["verifier"], texts[i]),
                          len(s.tokens), truncated))
             i += 1
         correct, rewards, answers, lengths, truncated = map(list, zip(*recs))
@@ -231,20 +233,18 @@ def main(args) -> dict:
     torch.manual_seed(args.seed)
     rows = data.load_prompts(args.data, args.seed, held_out=True, n=args.n_problems or None,
                              prompt_key=args.prompt_key, answer_key=args.answer_key, split=args.split)
-    use_vllm = args.engine == "vllm" or (args.engine == "auto" and engine_lib.vllm_available() and args.device != "cpu")
-    if use_vllm:  # vLLM loads the weights itself: only the tokenizer here
-        from transformers import AutoConfig, AutoTokenizer
+    kind = engine_lib.engine_kind(args.engine, args.device)
+    if kind == "vllm":  # vLLM loads the weights itself: only the tokenizer here
+        from transformers import AutoTokenizer
         policy, tokenizer = None, AutoTokenizer.from_pretrained(args.model)
-        max_pos = AutoConfig.from_pretrained(args.model).max_position_embeddings
     else:
         policy, tokenizer = model_lib.load(args.model, args.dtype, args.device)
-        max_pos = policy.config.max_position_embeddings
     longest = max(len(data.encode_prompt(tokenizer, r["prompt"])) for r in rows)
-    if longest + args.max_response_len > max_pos:  # an error, not a silently shorter engine
-        raise ValueError(f"the longest prompt ({longest} tokens) + --max-response-len {args.max_response_len} is more "
-                         f"than the {max_pos} positions --model {args.model} takes: a shorter --max-response-len, or "
-                         f"a model with YaRN in its config.json")
-    engine = engine_lib.make_engine(args.engine, policy, tokenizer, args.seed, path=args.model,
+    placement.check_context(longest + args.max_response_len, f"the longest prompt ({longest} tokens) + "
+                            f"--max-response-len {args.max_response_len}", args.model,
+                            policy.config if policy is not None else model_lib.model_config(args.model),
+                            "a shorter --max-response-len, or a model with YaRN in its config.json")
+    engine = engine_lib.make_engine(kind, policy, tokenizer, args.seed, path=args.model,
                                     max_model_len=longest + args.max_response_len,
                                     mem=args.rollout_mem, device=args.device, dtype=args.dtype)
     sampling = Sampling(args.temperature, args.top_p, args.top_k)

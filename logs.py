@@ -10,7 +10,7 @@ import math
 import os
 import subprocess
 
-from checkpoint import open_run_file
+from outdir import open_run_file
 
 
 def git_hash() -> str:

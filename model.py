@@ -87,39 +87,6 @@ def load(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradien
     return model.to(device), tokenizer
 
 
-def load_sharded(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradient_checkpointing: bool = False,
-                 rope_scaling_factor: float = 0.0, rope_original_max_positions: int = 0,
-                 attn_implementation: str = "sdpa", trainable: bool = True, compute_dtype: torch.dtype | None = None,
-                 offload: bool = False):
-    """(wrapped module, model, tokenizer) under FSDP2 without any rank holding the whole model: built on the
-    meta device, sharded (wrap), then each rank allocates its shards and fills them from the checkpoint's
-    safetensors, read a decoder layer at a time (fill_shards). Peak memory per rank: its shards + one layer.
-    compute_dtype: the shards (`dtype`) are master weights, and every forward computes in this dtype (wrap).
-    offload: the shards live in host memory (wrap); the buffers (rotary frequencies) on `device`."""
-    tokenizer, config = load_config(name_or_path, rope_scaling_factor, rope_original_max_positions)
-    with distributed.params_on_meta():
-        lm = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
-    lm.eval().requires_grad_(trainable)  # as from_pretrained leaves it (a frozen reference: no gradients)
-    if gradient_checkpointing:
-        lm.gradient_checkpointing_enable()
-    policy = wrap(lm, "fsdp", trainable=trainable, compute_dtype=compute_dtype, offload=offload)
-    buffers = {name: b.clone() for name, b in lm.named_buffers()}
-    policy.to_empty(device="cpu" if offload else device)  # to_empty also empties the buffers: put them back
-    for name, b in buffers.items():
-        owner, _, leaf = name.rpartition(".")
-        lm.get_submodule(owner)._buffers[leaf] = b.to(device)
-    distributed.fill_shards(lm, local_checkpoint(name_or_path))
-    return policy, lm, tokenizer
-
-
-def local_checkpoint(name_or_path: str) -> str:
-    """The directory holding a model's files: itself, or a hub name's snapshot in the Hugging Face cache."""
-    if os.path.isdir(os.path.expanduser(name_or_path)):
-        return os.path.expanduser(name_or_path)
-    from huggingface_hub import snapshot_download
-    return snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json"])
-
-
 # ------------------------------------------------------------------------------------ micro-batches
 
 @dataclass

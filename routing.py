@@ -1,9 +1,12 @@
 """Mixture-of-Experts routing replay (--routing-replay): the router hook, the replay layout of a micro-batch,
 the engines' routing conversion and the mismatch count.
 """
+import contextlib
 import functools
 
 import torch
+
+import distributed
 
 # ------------------------------------------------------------------ Mixture-of-Experts routing replay
 #
@@ -22,6 +25,29 @@ import torch
 # segment. That is exactly the forward that sampled its last segment, one policy version throughout; keeping
 # each segment's own decode routing instead would mix versions and reproduce none of the engine's forwards
 # after the first segment (the tiny MoE in fp32: largest engine/trainer gap 5e-7 -> 8e-4).
+
+
+class Mismatch:
+    """rollout/routing_mismatch: of the (token, layer) decisions the current weights (policy `version`) made in
+    the engine, the share the trainer's router makes differently. Forwards count into it inside `counting`."""
+
+    def __init__(self, version: int):
+        self.version, self.differ, self.compared = version, 0, 0
+
+    @contextlib.contextmanager
+    def counting(self, mb):
+        mb.tally = None if mb.empty else {"version": self.version, "differ": 0, "compared": 0}
+        try:
+            yield
+        finally:
+            if mb.tally is not None:
+                self.differ, self.compared = self.differ + mb.tally["differ"], self.compared + mb.tally["compared"]
+            mb.tally = None
+
+    def metrics(self) -> dict:
+        """Every rank's counts (each rank its own slice under --sp); every rank calls it."""
+        n = distributed.all_sum({"differ": self.differ, "compared": self.compared})
+        return {"rollout/routing_mismatch": n["differ"] / n["compared"] if n["compared"] else None}
 
 
 def routing_dtype(experts: int) -> torch.dtype:

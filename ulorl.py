@@ -12,7 +12,7 @@ Where each part of the papers lives (every paper number is a flag default or a p
     3.1 TOIS / SAIS / POIS ................ loss.old_logprobs, used in prepare() below; --is-mode (pois)
     3.2 DMMPTs (tau 0.99, sigma 0.2) ...... loss.mpt_mask, token_masks() below; --mpt, --mpt-tau, --mpt-sigma
     3.2 Eq. 10: masked tokens stay in the denominator ... optimize() below, loss.policy_loss(pg_mask=...)
-    3.3 {0,1} reward, truncated = 0 ....... reward.py, reward.overlong_reward; --overlong (zero)
+    3.3 {0,1} reward, truncated = 0 ....... reward.score_samples, reward.overlong_reward; --overlong (zero)
     3.3 generative verifier ............... reward.Judge, reward.judge_rewards; --verifier-model, --verifier-mode
     3.4 data cleaning ..................... clean.py (python clean.py --help)
     4   YaRN (factor 1.5, 95232) .......... model.yarn_overrides; --rope-scaling-factor, --rope-original-max-positions
@@ -28,7 +28,7 @@ Where each part of the papers lives (every paper number is a flag default or a p
     reference + optimizer reset ........... reset_reference(), stalled() below; --ref-reset-every, --ref-reset-on-stall
     constant learning rate (both papers) .. lr_factor() below; --lr-final 1 (the tiny default decays to 0.1)
     settings: n 16, T 1.2, 256 prompts, mini-batch 64 prompts, lr 2e-6 ... config.PRESETS["prorl"]
-    rewards: math, code (sandbox.py), Reasoning Gym (--data rg:NAME), instruction following ... reward.VERIFIERS
+    rewards: math, code (sandbox.py), Reasoning Gym (--data rg:NAME), instruction following ... verifiers.VERIFIERS
     pass@k ................................ eval.pass_at_k
 
 Simplifications of the papers, all of them:
@@ -55,6 +55,7 @@ import seqpar
 import model as model_lib
 from loss import Max, Mean, group_advantages, mpt_mask, old_logprobs, policy_loss
 from model import MicroBatch
+from routing import Mismatch
 
 
 @dataclass
@@ -170,22 +171,17 @@ def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg) -> li
 
 
 @torch.no_grad()
-def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg, gap: engine_gap.Gap) -> dict:
+def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg, gap: engine_gap.Gap,
+            routes: Mismatch) -> dict:
     """Step 5, one pass with the weights about to be updated (policy version `version`): pi_old
     (loss.old_logprobs), the reference's log-probs for the KL, entropy and the token masks. `gap` gets the
-    trainer's log-probs beside the engine's on the tokens these very weights sampled. Returns sums for the
-    metrics."""
-    stats = {"entropy": 0.0, "tokens": 0, "loss_tokens": 0, "pg_tokens": 0, "route_differ": 0, "route_compared": 0}
+    trainer's log-probs beside the engine's on the tokens these very weights sampled, `routes` their routing.
+    Returns sums for the metrics."""
+    stats = {"entropy": 0.0, "tokens": 0, "loss_tokens": 0, "pg_tokens": 0}
     for mbs in minis:
         for mb in mbs:
-            # --routing-replay: the positions these weights routed in the engine, compared with the trainer's router
-            # (each rank its own slice under --sp: counted on every rank)
-            mb.tally = {"version": version, "differ": 0, "compared": 0} if not mb.empty else None
-            cur, entropy = policy(mb, cfg.temperature)
-            if mb.tally is not None:
-                stats["route_differ"] += mb.tally["differ"]
-                stats["route_compared"] += mb.tally["compared"]
-                mb.tally = None
+            with routes.counting(mb):  # --routing-replay: the engine's routing against the trainer's router
+                cur, entropy = policy(mb, cfg.temperature)
             mb.old = old_logprobs(cfg.is_mode, cur, mb.behaviour, mb.versions, version)
             if ref is not None:
                 mb.ref = ref(mb, cfg.temperature)[0]
@@ -285,22 +281,17 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg, masters=Non
 
 def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg, masters=None,
            recent_kl: list | None = None, probe=None) -> dict:
-    """Steps 5-6 on a batch of complete, informative groups (the same batch on every rank); `version` is the
-    policy version of the current weights. `policy` and `ref` are model.wrap()ped: they map a micro-batch to
-    response log-probs and entropy. `cfg` is config.py's Config; `masters`: optimize's; `recent_kl`: the
-    engine/trainer KL history (RunState.engine_kl); `probe`: a function every rank calls once its pass over the
-    batch is done, returning the same samples on each (or None): ones the engine decoded with the current weights
-    for the engine/trainer gap check alone (--overlap, where no trained token came from them), never trained.
-    Returns the step's training metrics."""
+    """Steps 5-6 on a batch of complete, informative groups (the same batch on every rank), with the weights of
+    policy version `version`; `policy` and `ref` map a micro-batch to response log-probs and entropy (model.wrap).
+    `recent_kl`: RunState.engine_kl; `probe` (--overlap): called by every rank after its pass over the batch, it
+    returns samples the current weights decoded, for the engine/trainer gap check alone. Returns the metrics."""
     samples = [s for g in groups for s in g]
     minis = plan_micro_batches(samples, sample_advantages(groups), pad_id, cfg)
-    gap = engine_gap.Gap()
-    stats = prepare(policy, ref, minis, version, cfg, gap)
-    if probe is not None and (probes := probe()):  # their log-probs beside the engine's: only the gap's sums kept
-        extra = prepare(policy, None, plan_micro_batches(probes, torch.zeros(len(probes)), pad_id, cfg), version, cfg,
-                        gap)
-        for k in ("route_differ", "route_compared"):
-            stats[k] += extra[k]
+    gap, routes = engine_gap.Gap(), Mismatch(version)
+    stats = prepare(policy, ref, minis, version, cfg, gap, routes)
+    if probe is not None and (probes := probe()):  # their log-probs beside the engine's: only gap and routes kept
+        prepare(policy, None, plan_micro_batches(probes, torch.zeros(len(probes)), pad_id, cfg), version, cfg, gap,
+                routes)
     stats = distributed.all_sum(stats)  # every rank's, before the check
     gap.reduce()
     if (engine_kl := gap.kl()) is not None:
@@ -317,9 +308,8 @@ def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: in
                 "overlong/filtered_frac": 1 - stats["loss_tokens"] / max(stats["tokens"], 1),
                 **gap.metrics(),
                 **staleness(samples, version)})
-    if cfg.routing_replay != "false":  # of the (token, layer) decisions these weights made in the engine
-        out["rollout/routing_mismatch"] = stats["route_differ"] / stats["route_compared"] \
-            if stats["route_compared"] else None
+    if cfg.routing_replay != "false":
+        out.update(routes.metrics())
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in out.items()}  # JSON: no NaN
 
 

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py, eval.py, plot.py and tiny.py live one folder up
 
-import checkpoint  # noqa: E402
+import outdir  # noqa: E402
 import eval as eval_lib  # noqa: E402
 import plot  # noqa: E402
 import tiny  # noqa: E402
@@ -79,7 +79,7 @@ def train(run_dir: str, flags: list[str], steps: int) -> None:
     """One train.py run into `run_dir` (its stdout in run_dir + '.log'), unless it already reached `steps`."""
     if last_step(run_dir) >= steps:
         return
-    has_checkpoint = bool(checkpoint.list_checkpoints(run_dir))
+    has_checkpoint = bool(outdir.list_checkpoints(run_dir))
     cmd = [sys.executable, "train.py", *flags, "--steps", str(steps), "--out", run_dir, "--threads", "1",
            "--save-every", "50", "--keep-last", "1", "--dump-samples", "0",
            *(["--resume", "auto"] if has_checkpoint else ["--overwrite", "true"])]
@@ -230,7 +230,7 @@ def evaluate_at(model_dir: str, report: str, max_len: int, k: int, n: int) -> di
 
 
 def final_checkpoint(run_dir: str) -> str:
-    return os.path.join(run_dir, checkpoint.list_checkpoints(run_dir)[-1])
+    return os.path.join(run_dir, outdir.list_checkpoints(run_dir)[-1])
 
 
 def finding_length(runs: dict, steps: int, figure: str, root: str, seeds: list[int]) -> dict:

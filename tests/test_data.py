@@ -220,7 +220,7 @@ def test_draw_order_seeds_differ_and_edge_cases():
 # ---- Reasoning Gym rows and weighted mixtures
 
 def test_rg_rows_are_generated_locally_and_score_their_own_answers():
-    import reward
+    import verifiers
     rows = data.rg_rows("rg:chain_sum:5", seed=0)
     assert len(rows) == 5 and data.rg_rows("rg:chain_sum:5", seed=0) == rows  # deterministic in the seed
     assert data.rg_rows("rg:chain_sum:5", seed=1) != rows
@@ -229,8 +229,8 @@ def test_rg_rows_are_generated_locally_and_score_their_own_answers():
         entry = json.loads(r["answer"])
         assert r["verifier"] == "rg" and entry["dataset"] == "chain_sum"
         assert r["prompt"].endswith(data.RG_INSTRUCTION)
-        assert reward.rg_reward(f"<answer>{entry['answer']}</answer>", r["answer"]) == 1.0
-        assert reward.rg_reward(f"<answer>{int(entry['answer']) + 1}</answer>", r["answer"]) == 0.0
+        assert verifiers.rg_reward(f"<answer>{entry['answer']}</answer>", r["answer"]) == 1.0
+        assert verifiers.rg_reward(f"<answer>{int(entry['answer']) + 1}</answer>", r["answer"]) == 0.0
     assert len(data.rg_rows("rg:chain_sum", seed=0, size=7)) == 7
 
 

@@ -245,11 +245,11 @@ def test_a_rank_that_dies_ends_the_run_and_is_named(tmp_path, victim):
 def _offload_worker(rank, world, port):
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy
-    import model as model_lib
+    import placement
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        policy, lm, _ = model_lib.load_sharded(os.path.join(ROOT, "tiny_ckpt"), offload=True)
+        policy, lm, _ = placement.load_sharded(os.path.join(ROOT, "tiny_ckpt"), offload=True)
         for module in [*lm.get_decoder().layers, policy]:
             assert isinstance(module._get_fsdp_state()._fsdp_param_group.offload_policy, CPUOffloadPolicy)
         assert all(p.device.type == "cpu" for p in lm.parameters())

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import run
-import checkpoint
+import outdir
 import config
 import data
 import logs
@@ -126,7 +126,7 @@ def test_resume_auto_with_every_checkpoint_damaged_stops_with_the_reasons(first_
     os.remove(out / "step_000001" / "manifest.json")
     before = digest(out)
     with pytest.raises(ValueError) as e:
-        checkpoint.find_resume("auto", str(out))
+        outdir.find_resume("auto", str(out))
     assert "step_000002: model.safetensors has 100 bytes" in str(e.value)
     assert "step_000001: no readable manifest.json" in str(e.value) and "--overwrite" in str(e.value)
     p = run_train(*RUN, "--out", str(out), "--resume", "auto", timeout=120)
@@ -135,19 +135,19 @@ def test_resume_auto_with_every_checkpoint_damaged_stops_with_the_reasons(first_
 
 
 def test_resume_auto_in_an_empty_folder_starts_fresh_and_metrics_without_checkpoints_stop(tmp_path):
-    assert checkpoint.find_resume("auto", str(tmp_path / "new")) is None
+    assert outdir.find_resume("auto", str(tmp_path / "new")) is None
     (tmp_path / "died").mkdir()
     (tmp_path / "died" / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(ValueError, match="no checkpoint; metrics.jsonl only"):
-        checkpoint.find_resume("auto", str(tmp_path / "died"))
+        outdir.find_resume("auto", str(tmp_path / "died"))
 
 
 def test_resume_from_another_folder_into_a_used_one_is_refused(first_run, tmp_path):
     out = tmp_path / "other"
     shutil.copytree(first_run, out)
     with pytest.raises(ValueError, match="which holds another run"):
-        checkpoint.find_resume(str(first_run / "step_000002"), str(out))
-    assert checkpoint.find_resume(str(first_run / "step_000002"), str(tmp_path / "empty")) == \
+        outdir.find_resume(str(first_run / "step_000002"), str(out))
+    assert outdir.find_resume(str(first_run / "step_000002"), str(tmp_path / "empty")) == \
         str(first_run / "step_000002")
 
 
@@ -156,9 +156,9 @@ def test_keep_last_prunes_only_this_runs_checkpoints(tmp_path):
         os.makedirs(tmp_path / f"step_{step:06d}")
         (tmp_path / f"step_{step:06d}" / "manifest.json").write_text(json.dumps({"run": owner, "step": step, "files": {}}))
     os.makedirs(tmp_path / "step_000006")  # no manifest: nobody's
-    assert checkpoint.prune(str(tmp_path), 2, "me") == ["step_000003"]
+    assert outdir.prune(str(tmp_path), 2, "me") == ["step_000003"]
     assert sorted(os.listdir(tmp_path)) == ["step_000001", "step_000002", "step_000004", "step_000005", "step_000006"]
-    assert checkpoint.prune(str(tmp_path), 0, "me") == []
+    assert outdir.prune(str(tmp_path), 0, "me") == []
 
 
 # ----------------------------------------------------------------------------- sampling and records

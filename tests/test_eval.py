@@ -17,7 +17,7 @@ import data
 import engine as engine_lib
 import eval as ev
 import model as model_lib
-import reward
+import verifiers
 import tiny
 from engine import Sampling
 
@@ -55,8 +55,8 @@ def test_majority_vote_ties_and_missing_answers():
     # samples without an answer (or truncated) do not vote
     assert ev.majority_correct([None, None, "5"], [False, False, True])
     assert not ev.majority_correct([None, None], [False, False])
-    assert reward.final_answer("tiny", "4=7,5=12:12") == "12" and reward.final_answer("tiny", "4=7,5=12") is None
-    assert reward.final_answer("math", r"so \boxed{12}") == "12" and reward.final_answer("code", "12") is None
+    assert verifiers.final_answer("tiny", "4=7,5=12:12") == "12" and verifiers.final_answer("tiny", "4=7,5=12") is None
+    assert verifiers.final_answer("math", r"so \boxed{12}") == "12" and verifiers.final_answer("code", "12") is None
 
 
 def test_summarize_on_hand_made_results():
@@ -187,10 +187,10 @@ def test_eval_script_writes_the_report(tmp_path):
 def test_maj_votes_on_the_text_the_reward_reads():
     """The math rewards read the text after </think>; a vote read from the whole response would count an answer
     the reasoning tried and the reward never saw."""
-    assert reward.final_answer("math", r"<think>maybe \boxed{7}</think>so it is 5") == "5"
-    assert reward.final_answer("math_boxed", r"<think>maybe \boxed{7}</think>so it is 5") is None
-    assert reward.final_answer("math", r"<think>7?</think>\boxed{5}") == "5"
-    assert reward.math_reward(r"<think>maybe \boxed{7}</think>so it is \boxed{5}", "5") == 1.0
+    assert verifiers.final_answer("math", r"<think>maybe \boxed{7}</think>so it is 5") == "5"
+    assert verifiers.final_answer("math_boxed", r"<think>maybe \boxed{7}</think>so it is 5") is None
+    assert verifiers.final_answer("math", r"<think>7?</think>\boxed{5}") == "5"
+    assert verifiers.math_reward(r"<think>maybe \boxed{7}</think>so it is \boxed{5}", "5") == 1.0
 
 
 def test_held_out_accuracy_counts_a_truncated_answer_unsolved_under_any_overlong():
@@ -207,7 +207,7 @@ def test_held_out_accuracy_counts_a_truncated_answer_unsolved_under_any_overlong
             return [engine_lib.Generation(right[:m], [0.0] * len(right[:m]), "length") for m in max_tokens]
 
     rows = [{"prompt": "1+2=", "answer": "3", "verifier": "tiny"}]
-    assert reward.tiny_reward(tok.decode(right), "3") == 1.0
+    assert verifiers.tiny_reward(tok.decode(right), "3") == 1.0
     for overlong in ("zero", "filter", "none"):
         cfg = config.parse_config(["--overlong", overlong, "--segments", "1", "--max-response-len", str(len(right))])
         got = train.held_out(RightButCut(), tok, rows, cfg, None)

@@ -19,6 +19,7 @@ import checkpoint
 import distributed
 from routing import Routing, routing_dtype
 import model as model_lib
+import placement
 import plan as plan_lib
 import tiny
 
@@ -162,7 +163,7 @@ if __name__ == "__main__":  # one rank of test_sharded_loading_gives_the_pretrai
     import torch.distributed as dist
     dist.init_process_group("gloo")
     path = sys.argv[1]
-    lm = model_lib.load_sharded(path)[1]
+    lm = placement.load_sharded(path)[1]
     want = AutoModelForCausalLM.from_pretrained(path)
     params, buffers = dict(want.named_parameters()), dict(want.named_buffers())
     bad = [n for n, p in lm.named_parameters() if not torch.equal(distributed.full_tensor(p).detach(), params[n])]

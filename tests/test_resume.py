@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import kill_group, run, start
-import checkpoint
+import outdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow  # 8-step runs, killed and resumed: -m "not slow" skips them
@@ -78,7 +78,7 @@ def killed_and_resumed(tmp_path_factory):
         proc.wait()
     finally:
         kill_group(proc)  # and whatever it left behind
-    resume_from = checkpoint.find_resume("auto", str(out))
+    resume_from = outdir.find_resume("auto", str(out))
     with open(os.path.join(resume_from, "ulorl_state.json")) as f:
         saved = json.load(f)
     p = run(command(out, "--resume", "auto"), cwd=ROOT, env=env(), timeout=600)
@@ -121,7 +121,7 @@ def test_resume_auto_skips_damaged_checkpoints(uninterrupted, tmp_path, capsys):
     out = tmp_path / "run"
     shutil.copytree(uninterrupted, out)
     os.makedirs(out / "step_000009.tmp")  # a save that was interrupted
-    assert checkpoint.find_resume("auto", str(out)) == str(out / "step_000008")
+    assert outdir.find_resume("auto", str(out)) == str(out / "step_000008")
     with open(out / "step_000008" / "model.safetensors", "r+b") as f:  # truncated newest
         f.truncate(1000)
     with open(out / "step_000007" / "ulorl_state.json", "r+b") as f:  # one flipped byte in the next
@@ -129,7 +129,7 @@ def test_resume_auto_skips_damaged_checkpoints(uninterrupted, tmp_path, capsys):
         byte = f.read(1)
         f.seek(10)
         f.write(bytes([byte[0] ^ 1]))
-    assert checkpoint.find_resume("auto", str(out)) == str(out / "step_000006")
+    assert outdir.find_resume("auto", str(out)) == str(out / "step_000006")
     err = capsys.readouterr().err
     assert "step_000008: model.safetensors has 1000 bytes" in err and "step_000007: ulorl_state.json" in err
 
@@ -148,7 +148,7 @@ def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
     last = records(out / "metrics.jsonl")[-1]["step"]
     assert f"stopped by SIGTERM after step {last}" in stdout
     ckpt = out / f"step_{last:06d}"
-    assert checkpoint.problem(str(ckpt)) is None
+    assert outdir.problem(str(ckpt)) is None
     from transformers import AutoModelForCausalLM
     assert AutoModelForCausalLM.from_pretrained(ckpt).config.model_type == "qwen3"
     assert not [d for d in os.listdir(out) if d.endswith(".tmp")]

@@ -1,4 +1,4 @@
-"""Tests for reward.py: answer extraction, math equivalence (a table of hand-written cases, and
+"""Tests for reward.py, verifiers.py and workers.py: answer extraction, math equivalence (a table of hand-written cases, and
 adversarial inputs), the tiny task, Reasoning Gym and instruction-following rewards, the generative verifier
 (with real, tiny judge models trained here in seconds), overlong handling, and the worker pool's ordering,
 error and timeout accounting. Values are computed by hand. (Code rewards: tests/test_sandbox.py.)
@@ -15,8 +15,11 @@ import pytest
 
 from conftest import ROOT, run
 import reward
+import verifiers
+import workers
 from sandbox import extract_code
-from reward import extract_answer, math_equal, overlong_reward, score_batch, tiny_reward
+from reward import extract_answer, math_equal, overlong_reward, score_batch
+from verifiers import tiny_reward
 
 
 # Test verifiers live at module level so that pool workers can import them by name.
@@ -119,10 +122,10 @@ def test_tiny_reward():
 
 
 def test_verifiers_table():
-    assert reward.VERIFIERS["tiny"]("3+4=7:7", "7") == 1.0
-    assert reward.VERIFIERS["math"](r"so x is \boxed{\frac{2}{4}}", "0.5") == 1.0
-    assert reward.VERIFIERS["math"](r"so x is \boxed{3}", "0.5") == 0.0
-    assert reward.VERIFIERS["math"]("no number here", "0.5") == 0.0
+    assert verifiers.VERIFIERS["tiny"]("3+4=7:7", "7") == 1.0
+    assert verifiers.VERIFIERS["math"](r"so x is \boxed{\frac{2}{4}}", "0.5") == 1.0
+    assert verifiers.VERIFIERS["math"](r"so x is \boxed{3}", "0.5") == 0.0
+    assert verifiers.VERIFIERS["math"]("no number here", "0.5") == 0.0
 
 
 # ---------------------------------------------------------------------------- overlong_reward
@@ -200,7 +203,7 @@ def test_score_batch_kills_hanging_check_and_recovers(monkeypatch):
     scores, metrics = score_batch([("tiny", "1:1", "1"), ("math", r"\boxed{x=3}", "3")], timeout=10.0)
     assert scores == [1.0, 1.0]
     assert metrics == {"reward/timeouts": 0, "reward/errors": 0}
-    assert len(reward._POOL) == 2 and all(w.proc.is_alive() for w in reward._POOL)
+    assert len(workers.POOL) == 2 and all(w.proc.is_alive() for w in workers.POOL)
 
 
 def test_batch_timeout_bounds_the_whole_batch(monkeypatch):
@@ -217,7 +220,7 @@ def test_batch_timeout_bounds_the_whole_batch(monkeypatch):
     assert scores[:6] == [0.0] * 6 and set(scores[6:]) <= {0.0, 1.0}
     assert metrics["reward/timeouts"] == 6 + scores[6:].count(0.0) and metrics["reward/errors"] == 0
     assert score_batch([("tiny", "1:1", "1")] * 4, timeout=5.0)[0] == [1.0] * 4
-    assert len(reward._POOL) == 2 and all(w.proc.is_alive() for w in reward._POOL)
+    assert len(workers.POOL) == 2 and all(w.proc.is_alive() for w in workers.POOL)
 
 
 # ---------------------------------------------------------------------------- the math table
@@ -299,9 +302,9 @@ def test_math_table_accuracy():
 
 
 def test_math_boxed_has_no_fallback():
-    assert reward.VERIFIERS["math_boxed"](r"it is \boxed{0.5}", "1/2") == 1.0
-    assert reward.VERIFIERS["math_boxed"]("it is 0.5", "1/2") == 0.0
-    assert reward.VERIFIERS["math"]("it is 0.5", "1/2") == 1.0
+    assert verifiers.VERIFIERS["math_boxed"](r"it is \boxed{0.5}", "1/2") == 1.0
+    assert verifiers.VERIFIERS["math_boxed"]("it is 0.5", "1/2") == 0.0
+    assert verifiers.VERIFIERS["math"]("it is 0.5", "1/2") == 1.0
 
 
 # ---------------------------------------------------------------------------- adversarial answers
@@ -327,7 +330,7 @@ def test_adversarial_answers_score_zero_in_time_and_the_pool_survives():
     assert scores == [0.0] * len(ADVERSARIAL) + [1.0] * 20
     assert metrics["reward/errors"] == 0 and metrics["reward/timeouts"] <= 1  # only the exponent may time out
     assert elapsed < 2.0 * (metrics["reward/timeouts"] + 1) + 2.0
-    assert len(reward._POOL) == 2 and all(w.proc.is_alive() for w in reward._POOL)
+    assert len(workers.POOL) == 2 and all(w.proc.is_alive() for w in workers.POOL)
     assert score_batch([("math", r"\boxed{\frac{1}{2}}", "0.5")])[0] == [1.0]
 
 
@@ -341,18 +344,18 @@ def test_adversarial_answers_score_zero_in_time_and_the_pool_survives():
     ("", ""),
 ])
 def test_rg_extract(text, expected):
-    assert reward.rg_extract(text) == expected
+    assert verifiers.rg_extract(text) == expected
 
 
 def test_rg_reward_uses_the_library_scorer():
     import data
     row = data.rg_rows("rg:spell_backward:3", seed=0)[0]
     gold = json.loads(row["answer"])["answer"]
-    assert reward.rg_reward(f"<answer>{gold}</answer>", row["answer"]) == 1.0
-    assert reward.rg_reward("<answer>wrong</answer>", row["answer"]) == 0.0
+    assert verifiers.rg_reward(f"<answer>{gold}</answer>", row["answer"]) == 1.0
+    assert verifiers.rg_reward("<answer>wrong</answer>", row["answer"]) == 0.0
     # continuous scores come through as they are: chain_sum gives partial credit for a near miss
     entry = json.dumps({"dataset": "chain_sum", "answer": "100", "metadata": {}})
-    partial = reward.rg_reward("<answer>101</answer>", entry)
+    partial = verifiers.rg_reward("<answer>101</answer>", entry)
     assert 0.0 <= partial < 1.0
     scores, metrics = score_batch([("rg", f"<answer>{gold}</answer>", row["answer"]), ("rg", "x", row["answer"])])
     assert scores == [1.0, 0.0] and metrics == {"reward/timeouts": 0, "reward/errors": 0}
@@ -386,8 +389,8 @@ def test_answer_extraction_is_linear():
     """Extraction runs in the trainer's and eval.py's own process (maj@k, clean.py), where no worker
     timeout applies: 15,000 unclosed <answer> took 20 s."""
     start = time.perf_counter()
-    assert reward.final_answer("rg", "<answer>" * 15_000) == "<answer>" * 15_000  # no pair: the last line
-    assert reward.rg_extract("<answer>" * 15_000 + "7</answer>") == "<answer>" * 14_999 + "7"
+    assert verifiers.final_answer("rg", "<answer>" * 15_000) == "<answer>" * 15_000  # no pair: the last line
+    assert verifiers.rg_extract("<answer>" * 15_000 + "7</answer>") == "<answer>" * 14_999 + "7"
     assert extract_code("```python\n" * 15_000) == ""
     assert extract_code("``` \t" * 50_000) is None
     assert time.perf_counter() - start < 1.0
@@ -396,7 +399,7 @@ def test_answer_extraction_is_linear():
     fence = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
     for n in range(4):  # the regexes they replace, on inputs small enough for them
         for text in ("<answer>" * n + "1</answer>" + "<answer>2" * n, "a</answer><answer>" * n + "</answer>"):
-            assert reward._last_tagged(text) == (tag.findall(text) or [None])[-1], text
+            assert verifiers._last_tagged(text) == (tag.findall(text) or [None])[-1], text
         for text in ("```python\n" * n + "x```", "```\nA```" * n + "``` py\nB\n```" + "```\n" * n):
             assert extract_code(text) == ([b for _, b in fence.findall(text)] or [None])[-1], text
 
@@ -428,17 +431,17 @@ def c(type_, **params):
     ("<think>Long, Long thoughts</think>all lower", c("no_commas"), True),  # only the final text counts
 ])
 def test_ifeval_constraints(response, constraint, met):
-    assert reward.ifeval_reward(response, json.dumps([constraint])) == float(met)
+    assert verifiers.ifeval_reward(response, json.dumps([constraint])) == float(met)
 
 
 def test_ifeval_reward_is_the_fraction_met():
     answer = json.dumps([c("max_words", n=5), c("lowercase"), c("include_keywords", words=["ok"]), c("no_commas")])
-    assert reward.ifeval_reward("ok, fine", answer) == 0.75
-    assert reward.ifeval_reward("Ok fine", answer) == 0.75
+    assert verifiers.ifeval_reward("ok, fine", answer) == 0.75
+    assert verifiers.ifeval_reward("Ok fine", answer) == 0.75
     with pytest.raises(ValueError, match="'type' must be one of"):
-        reward.ifeval_reward("x", json.dumps([c("max_words", n=1), c("rhymes")]))
+        verifiers.ifeval_reward("x", json.dumps([c("max_words", n=1), c("rhymes")]))
     with pytest.raises(ValueError, match="non-empty JSON list"):
-        reward.ifeval_reward("x", "[]")
+        verifiers.ifeval_reward("x", "[]")
 
 
 # ---------------------------------------------------------------------------- generative verifier (UloRL 3.3)
@@ -626,9 +629,9 @@ def test_public_functions_work_from_a_script_without_a_main_guard(tmp_path):
     workers must not run it again."""
     import sys
     script = tmp_path / "score.py"
-    script.write_text("import reward\n"
+    script.write_text("import reward\nimport verifiers\n"
                       "print('math_equal', reward.math_equal('1/2', '0.5'))\n"
-                      "print('math_reward', reward.math_reward(r'so \\boxed{\\frac{1}{2}}', '0.5'))\n"
+                      "print('math_reward', verifiers.math_reward(r'so \\boxed{\\frac{1}{2}}', '0.5'))\n"
                       "print('score_batch', reward.score_batch([('tiny', '4=7:7', '7'), ('math', '0.25', '1/4')])[0])\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = run([sys.executable, str(script)], timeout=120, env=dict(os.environ, PYTHONPATH=root), cwd=tmp_path)
@@ -639,10 +642,10 @@ def test_public_functions_work_from_a_script_without_a_main_guard(tmp_path):
 def test_a_math_bomb_hits_the_workers_memory_cap_not_the_machine():
     """A tower of powers in a boxed answer makes the parser grow without bound until the check's timeout;
     under the workers' RLIMIT_AS it fails fast with a MemoryError instead, scored 0. A fresh process,
-    so that its pool starts with a cap of 256 MB (the default is reward.WORKER_MEMORY_MB)."""
+    so that its pool starts with a cap of 256 MB (the default is workers.MEMORY_MB)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = ("import time, reward\n"
-              "reward.WORKER_MEMORY_MB = 256\n"
+    script = ("import time, reward, workers\n"
+              "workers.MEMORY_MB = 256\n"
               "t = time.time()\n"
               "scores, metrics = reward.score_batch([('math', r'\\boxed{2^{2^{2^{2^{2^{2}}}}}}', '1')], timeout=60)\n"
               "print(scores, metrics['reward/errors'], metrics['reward/timeouts'], round(time.time() - t))\n"

@@ -207,18 +207,18 @@ def test_replay_off_in_a_forward_without_routing():
 
 
 def test_dense_models_and_vllm_on_cpu_are_refused(tmp_path):
-    """Before anything loads (train.main runs this check right after reading config.json)."""
-    import train
+    """Before anything loads (placement.start runs this check right after reading config.json)."""
+    import placement
     dense = config.parse_config(["--routing-replay", "true"])
     with pytest.raises(ValueError, match="--routing-replay true: --model tiny_ckpt has no Mixture-of-Experts layers"):
-        train.check_routing(dense, model_lib.model_config(dense.model))
+        placement.check_routing(dense, model_lib.model_config(dense.model))
     moe().save_pretrained(tmp_path / "moe")
     on_cpu = config.parse_config(["--routing-replay", "record", "--engine", "hf", "--model", str(tmp_path / "moe")])
-    train.check_routing(on_cpu, model_lib.model_config(on_cpu.model))  # the transformers engine records it
+    placement.check_routing(on_cpu, model_lib.model_config(on_cpu.model))  # the transformers engine records it
     on_cpu.engine = "vllm"
     if __import__("importlib").util.find_spec("vllm") is not None:
         with pytest.raises(ValueError, match="its CPU build lacks; on CPU use --engine hf"):
-            train.check_routing(on_cpu, model_lib.model_config(on_cpu.model))
+            placement.check_routing(on_cpu, model_lib.model_config(on_cpu.model))
 
 
 @pytest.mark.slow

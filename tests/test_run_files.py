@@ -17,6 +17,7 @@ import torch
 
 from conftest import kill_group, run, start
 import checkpoint
+import outdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--eval-data", "", "--train-groups", "2", "--prompts-per-step", "2", "--max-response-len", "16",
@@ -44,14 +45,14 @@ def test_a_flipped_bit_in_a_large_file_is_caught(tmp_path):
     path = str(tmp_path / "step_000001")
     fake_checkpoint(path, big_mib=65)  # more than the 64 MiB up to which files used to be hashed
     name = "model-00001-of-00002.safetensors"
-    assert os.path.getsize(os.path.join(path, name)) > 64 << 20 and checkpoint.problem(path) is None
-    assert set(checkpoint.read_manifest(path)["files"]) == {name, "config.json", "ulorl_state.json"}
+    assert os.path.getsize(os.path.join(path, name)) > 64 << 20 and outdir.problem(path) is None
+    assert set(outdir.read_manifest(path)["files"]) == {name, "config.json", "ulorl_state.json"}
     with open(os.path.join(path, name), "r+b") as f:
         f.seek(40 << 20)
         byte = f.read(1)[0]
         f.seek(40 << 20)
         f.write(bytes([byte ^ 0x10]))
-    assert checkpoint.problem(path) == f"{name} does not match its sha256 in the manifest"
+    assert outdir.problem(path) == f"{name} does not match its sha256 in the manifest"
 
 
 def test_verification_needs_every_file_listed_with_its_digest(tmp_path):
@@ -59,13 +60,13 @@ def test_verification_needs_every_file_listed_with_its_digest(tmp_path):
     loaded. Now the manifest must list every file with both, and each file must match."""
     path = str(tmp_path / "step_000001")
     fake_checkpoint(path)
-    assert checkpoint.problem(path) is None
+    assert outdir.problem(path) is None
     manifest = os.path.join(path, "manifest.json")
     good = json.load(open(manifest))
 
     def with_listing(files):
         json.dump({**good, "files": files}, open(manifest, "w"))
-        return checkpoint.problem(path)
+        return outdir.problem(path)
 
     assert with_listing({}) == "the manifest does not list ulorl_state.json"
     sizes_only = {name: {"size": want["size"]} for name, want in good["files"].items()}
@@ -73,10 +74,10 @@ def test_verification_needs_every_file_listed_with_its_digest(tmp_path):
     assert with_listing({"ulorl_state.json": good["files"]["ulorl_state.json"]}) == "config.json is not in the manifest"
     with_listing(good["files"])
     torch.save({0: torch.zeros(3, dtype=torch.uint8)}, os.path.join(path, "routing.pt"))
-    assert checkpoint.problem(path) == "routing.pt is not in the manifest"
+    assert outdir.problem(path) == "routing.pt is not in the manifest"
     os.remove(os.path.join(path, "routing.pt"))
     os.symlink("/etc/hostname", os.path.join(path, "config.json.tmp"))
-    assert checkpoint.problem(path) == "config.json.tmp is not in the manifest"
+    assert outdir.problem(path) == "config.json.tmp is not in the manifest"
 
 
 def test_links_inside_out_are_refused_and_nothing_is_written_through_them(tmp_path):
@@ -94,7 +95,7 @@ def test_links_inside_out_are_refused_and_nothing_is_written_through_them(tmp_pa
         assert f"{out / name} is a symbolic link" in p.stderr, p.stderr[-2000:]
     assert victim.read_text() == "precious" and not (tmp_path / "created").exists()
     with pytest.raises(ValueError, match="is a symbolic link"):  # a link that appears after the check
-        checkpoint.open_run_file(str(tmp_path / "out-.lock" / ".lock"), "a+")
+        outdir.open_run_file(str(tmp_path / "out-.lock" / ".lock"), "a+")
 
 
 def test_a_resaved_step_is_complete_at_every_instant(tmp_path, monkeypatch):
@@ -109,7 +110,7 @@ def test_a_resaved_step_is_complete_at_every_instant(tmp_path, monkeypatch):
     def checked(name, real):
         def call(*args, **kw):
             calls.append(name)
-            assert checkpoint.problem(path) is None, f"no complete checkpoint at {path} before {name}"
+            assert outdir.problem(path) is None, f"no complete checkpoint at {path} before {name}"
             return real(*args, **kw)
         return call
 
@@ -117,7 +118,7 @@ def test_a_resaved_step_is_complete_at_every_instant(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint.os, "replace", checked("replace", os.replace))
     checkpoint.publish(tmp, path)
     assert calls == ["rmtree"] and not os.path.exists(tmp)  # the old copy, swapped out under tmp's name
-    assert "again" in open(os.path.join(path, "config.json")).read() and checkpoint.problem(path) is None
+    assert "again" in open(os.path.join(path, "config.json")).read() and outdir.problem(path) is None
 
 
 def test_a_second_run_on_the_same_out_is_refused(tmp_path):
@@ -126,7 +127,7 @@ def test_a_second_run_on_the_same_out_is_refused(tmp_path):
                   env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
-        while not checkpoint.list_checkpoints(str(out)):  # a checkpoint: --resume auto would take it
+        while not outdir.list_checkpoints(str(out)):  # a checkpoint: --resume auto would take it
             assert first.poll() is None and time.time() < deadline, "the first run did not start"
             time.sleep(0.1)
         second = run([sys.executable, "train.py", *RUN, "--steps", "200", "--out", str(out), "--resume", "auto"],
@@ -139,7 +140,7 @@ def test_a_second_run_on_the_same_out_is_refused(tmp_path):
         first.wait()
     finally:
         kill_group(first)
-    checkpoint.lock_out(str(out)).close()  # the kernel released the dead run's lock
+    outdir.lock_out(str(out)).close()  # the kernel released the dead run's lock
 
 
 def in_a_small_mount(tmp_path, options: str, *args):

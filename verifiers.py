@@ -1,0 +1,316 @@
+"""Verifiers: a response text and a row's reference answer to a reward, one function `(response, answer) -> float`
+per data domain, named by a row's `verifier` field through `VERIFIERS`: math answer equivalence
+(`math_reward`, math-verify), the tiny built-in task, Reasoning Gym's scorers (in the sandbox), sandboxed code
+tests (sandbox.py) and instruction-following constraints (`CONSTRAINTS`). `final_answer` is each verifier's
+final answer (what maj@k votes with). They run in reward workers (workers.py): module-level functions only.
+"""
+import functools
+import json
+import re
+import string
+
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+import sandbox
+import workers
+
+# ---------------------------------------------------------------------------- answer extraction
+
+_BOX = re.compile(r"\\(?:boxed|fbox)")
+_BRACE = re.compile(r"\\.|[{}]", re.DOTALL)  # escaped chars first, so "\{" and "\}" never count
+_SPACE = re.compile(r"\s*")
+_TOKEN = re.compile(r"[^\s$]+")
+_NUMBER = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)(?:/\d+)?")
+
+
+def _box_argument(text: str, i: int) -> str | None:
+    """The argument of a box command whose name ends at text[i]: `{...}` or, after a space, one token."""
+    j = _SPACE.match(text, i).end()
+    if text.startswith("{", j):
+        depth = 0
+        for m in _BRACE.finditer(text, j):  # visits only braces and escapes: linear, no recursion
+            if m.group() == "{":
+                depth += 1
+            elif m.group() == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[j + 1:m.start()].strip()
+        return None  # unbalanced
+    token = _TOKEN.match(text, j) if j > i else None  # "\boxedx" is some other macro, not a box
+    return token.group().rstrip(".,;") if token else None
+
+
+def extract_answer(text: str, fallback: str = "last_number") -> str | None:
+    """The content of the last `\\boxed{...}` / `\\fbox{...}` / `\\boxed 5`; without a usable box, the
+    fallback: "last_number" (last integer, decimal or a/b fraction in the text) or "none" (None)."""
+    if fallback not in ("last_number", "none"):
+        raise ValueError(f"unknown fallback {fallback!r}; use 'last_number' or 'none'")
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start >= 0:
+        answer = _box_argument(text, _BOX.match(text, start).end())
+        if answer is not None:
+            return answer
+    if fallback == "none":
+        return None
+    last = None
+    for last in _NUMBER.finditer(text):
+        pass
+    return last.group() if last else None
+
+
+# ---------------------------------------------------------------------------- verifiers
+
+
+
+def _parse(answer: str) -> list:
+    # math-verify only reads LaTeX inside delimiters ("\frac12", "[1,2)", "\{1,2\}"); the raw text is
+    # the fallback for answers that bring their own "$...$" or break the box with stray braces.
+    # Its signal-based timeouts are off: the pool's kill is the timeout.
+    return parse("\\boxed{" + answer + "}", parsing_timeout=None) or parse(answer, parsing_timeout=None)
+
+
+def _parse_reference(answer: str) -> list:
+    """A dataset's reference answer, usually bare ("3/4", "\\frac{3}{4}", "(1, 2)"), boxed by _parse; one that
+    brings its own delimiters ("$(3,2)$", "\\boxed{2}, \\boxed{3}") is read as it is first."""
+    if any(d in answer for d in ("$", "\\boxed", "\\(", "\\[")):
+        return parse(answer, parsing_timeout=None) or _parse(answer)
+    return _parse(answer)
+
+
+def _math_check(prediction: str, reference: str) -> float:
+    gold, pred = _parse(reference), _parse(prediction)
+    return float(bool(gold and pred and verify(gold, pred, timeout_seconds=None)))
+
+
+# math-verify's own extraction of a response's answer: \boxed{} first (several boxes form one set or tuple
+# list), then LaTeX anywhere ($...$, \[...\], "the answer is ..."), then plain expressions (the last number).
+_RESPONSE_EXTRACTION = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+
+
+def _math_response_check(text: str, reference: str) -> float:
+    gold, pred = _parse_reference(reference), parse(text, _RESPONSE_EXTRACTION, parsing_timeout=None)
+    return float(bool(gold and pred and verify(gold, pred, timeout_seconds=None)))
+
+
+MAX_ANSWER_CHARS = 1000  # a longer final answer is garbage (or an attack on the parser): 0 without parsing
+MAX_PARSE_CHARS = 10_000  # math-verify reads the end of a response's final text: where its answer is
+
+
+def math_equal(prediction: str, reference: str, timeout: float = 5.0) -> bool:
+    """Whether two final answers are mathematically equal (math-verify); never raises, and gives up
+    (False) after `timeout` seconds. An empty prediction, or one over MAX_ANSWER_CHARS, is never equal."""
+    if prediction is None or not prediction.strip() or len(prediction) > MAX_ANSWER_CHARS:
+        return False
+    if prediction.strip() == reference.strip():
+        return True
+    if workers.IN_WORKER:
+        return _math_check(prediction, reference) == 1.0
+    scores, _, _ = workers.run([(workers.ref(_math_check), prediction, reference)], timeout, workers=1)
+    return scores[0] == 1.0
+
+
+def math_reward(response: str, answer: str, timeout: float = 5.0) -> float:
+    """1 if the response's answer equals the reference, as math-verify reads it (_RESPONSE_EXTRACTION) from
+    the response's final text (after </think>, its last MAX_PARSE_CHARS characters); else 0. Cheap guards
+    first: an empty text, or a last \\boxed{} over MAX_ANSWER_CHARS, is 0 unparsed. Never raises; outside the
+    reward workers it runs in one of them, so it gives up (0) after `timeout` seconds."""
+    text = final_text(response)
+    boxed = extract_answer(text, fallback="none")
+    if not text.strip() or (boxed is not None and len(boxed) > MAX_ANSWER_CHARS):
+        return 0.0
+    text = text[-MAX_PARSE_CHARS:]
+    if workers.IN_WORKER:
+        return _math_response_check(text, answer)
+    scores, _, _ = workers.run([(workers.ref(_math_response_check), text, answer)], timeout, workers=1)
+    return scores[0]
+
+
+def math_boxed_reward(response: str, answer: str) -> float:
+    """As math_reward, for responses with a \\boxed{} answer only: without one the response scores 0."""
+    text = final_text(response)
+    return math_reward(text, answer) if ("\\boxed" in text or "\\fbox" in text) else 0.0
+
+
+def tiny_answer(response: str) -> str | None:
+    """The tiny task writes running sums then the total ("7,12:12"): the text after the last ':'."""
+    _, colon, final = response.rpartition(":")
+    return final.strip() if colon else None
+
+
+def tiny_reward(response: str, answer: str) -> float:
+    return float(tiny_answer(response) == answer)
+
+
+def final_text(response: str) -> str:
+    """The response after its reasoning: the text after the last `</think>` (all of it without one)."""
+    return response.rpartition("</think>")[2]
+
+
+# ---------------------------------------------------------------------------- logic puzzles (Reasoning Gym)
+
+def _last_tagged(text: str, open_tag: str = "<answer>", close_tag: str = "</answer>") -> str | None:
+    """The content of the last <answer>...</answer>, pairs read left to right; one pass (a regex's lazy match
+    from every unclosed <answer> made this quadratic: 20 s for 15,000 of them)."""
+    pos, last = 0, None
+    while (start := text.find(open_tag, pos)) >= 0:
+        end = text.find(close_tag, start + len(open_tag))
+        if end < 0:
+            break
+        pos, last = end + len(close_tag), text[start + len(open_tag):end]
+    return last
+
+
+def rg_extract(response: str) -> str:
+    """The answer Reasoning Gym's scorers expect: the last <answer>...</answer> (their prompt convention),
+    else the last \\boxed{...}, else the last non-empty line."""
+    text = final_text(response)
+    tagged = _last_tagged(text)
+    if tagged is not None:
+        return tagged.strip()
+    boxed = extract_answer(text, fallback="none")
+    if boxed is not None:
+        return boxed
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+# Reasoning Gym's scorers run in the sandbox, a fresh child process per check (sandbox.Server): some read the
+# answer as code. Those that parse it as a sympy expression may name sympy's numbers, arithmetic and functions
+# and one-letter symbols; every other scorer gets literals only (its eval of "[1, 2]" works; of
+# "oracle_answer.split()", the scorer's own variable, it does not).
+RG_EXPRESSIONS = {"countdown", "puzzle24", "polynomial_multiplication", "simple_integration",
+                  "intermediate_integration"}
+SYMPY_NAMES = frozenset(string.ascii_letters) | {
+    "Integer", "Float", "Rational", "Symbol", "Function", "factorial", "sqrt", "exp", "log", "ln", "sin", "cos",
+    "tan", "cot", "sec", "csc", "asin", "acos", "atan", "acot", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh",
+    "pi", "oo", "Abs"}
+_RG_SERVER = sandbox.Server("reasoning_gym:get_score_answer_fn", memory_mb=1024)
+
+
+def rg_score(prediction: str, answer: str) -> float:
+    """Reasoning Gym's own scorer for the row's dataset on an extracted answer (continuous scores allowed), in
+    the sandbox. `answer` is the JSON data.rg_rows wrote: {"dataset", "answer", "metadata"}, the entry the
+    scorer needs."""
+    if not workers.IN_WORKER:  # the sandboxed scorer is started from a reward worker, never from the trainer
+        scores, timeouts, errors = workers.run([(workers.ref(rg_score), prediction, answer)], 60.0, workers=1)
+        if errors or timeouts:
+            raise ValueError(errors[0] if errors else "the Reasoning Gym check timed out")
+        return scores[0]
+    try:
+        entry = json.loads(answer)
+    except (ValueError, RecursionError):
+        raise ValueError(f"rg answer is not the JSON entry data.py writes: {answer[:200]!r}") from None
+    if not _RG_SERVER.warm(entry["dataset"]):
+        workers.setup_started()  # starting the sandbox and importing the library: seconds, not the check's own time
+    names = SYMPY_NAMES if entry["dataset"] in RG_EXPRESSIONS else frozenset()
+    return _RG_SERVER.call(entry["dataset"], [prediction, entry], [entry["answer"], entry], names)
+
+
+def rg_reward(response: str, answer: str) -> float:
+    """rg_score on the response's answer (rg_extract)."""
+    return rg_score(rg_extract(response), answer)
+
+
+def rg_gold(answer: str, _: str = "") -> float:
+    """The score of a row's own reference answer."""
+    return rg_score(json.loads(answer)["answer"], answer)
+
+
+def rg_unsupported(answer: str, timeout: float = 60.0) -> str | None:
+    """Why a Reasoning Gym dataset cannot be trained on, judged by one of its rows (`answer`: its JSON entry):
+    None when the library's scorer, run as every check runs (in the sandbox, under the guard), gives the row's
+    own answer 1.0; a scorer that needs more of Python than the guard allows is refused here."""
+    scores, timeouts, errors = workers.run([(workers.ref(rg_gold), answer, "")], timeout, workers=1)
+    if errors or timeouts:
+        return errors[0] if errors else f"its scorer ran past {timeout} s"
+    return None if scores[0] == 1.0 else f"its scorer gives the dataset's own answer {scores[0]}, not 1.0"
+
+
+# ---------------------------------------------------------------------------- instruction following
+
+_WORD = re.compile(r"\b[\w'-]+\b")
+_SENTENCE = re.compile(r"[^.!?]*[A-Za-z0-9][^.!?]*(?:[.!?]+|$)")
+_BULLET = re.compile(r"^\s*[-*\u2022]\s+\S", re.MULTILINE)
+
+
+def _has_word(text: str, word: str) -> bool:
+    return re.search(r"(?<!\w)" + re.escape(word.lower()) + r"(?!\w)", text.lower()) is not None
+
+
+def _is_json(text: str) -> bool:
+    text = text.strip()
+    if text.startswith("```"):  # a fenced block: ```json ... ```
+        text = text.split("\n", 1)[1] if "\n" in text else ""
+        text = text.rstrip().removesuffix("```")
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+# Each constraint: {"type": one of these names, plus its parameters}; a function (text, constraint) -> bool.
+CONSTRAINTS = {
+    "max_words": lambda t, c: len(_WORD.findall(t)) <= c["n"],
+    "min_words": lambda t, c: len(_WORD.findall(t)) >= c["n"],
+    "max_sentences": lambda t, c: len(_SENTENCE.findall(t.strip())) <= c["n"],
+    "min_sentences": lambda t, c: len(_SENTENCE.findall(t.strip())) >= c["n"],
+    "include_keywords": lambda t, c: all(_has_word(t, w) for w in c["words"]),
+    "forbid_keywords": lambda t, c: not any(_has_word(t, w) for w in c["words"]),
+    "json_format": lambda t, c: _is_json(t),
+    "bullet_points": lambda t, c: len(_BULLET.findall(t)) == c["n"],
+    "ends_with": lambda t, c: t.strip().endswith(c["phrase"]),
+    "starts_with": lambda t, c: t.strip().startswith(c["phrase"]),
+    "lowercase": lambda t, c: t == t.lower(),
+    "no_commas": lambda t, c: "," not in t,
+}
+
+
+def ifeval_reward(response: str, answer: str) -> float:
+    """Instruction following (ProRL): the fraction of the constraints in `answer` (a JSON list of
+    {"type": ..., parameters}) that the response (after any </think>) meets."""
+    try:
+        constraints = json.loads(answer)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"ifeval answer is not JSON ({e}): {answer[:200]!r}") from None
+    except RecursionError:
+        raise ValueError("ifeval answer is JSON nested too deeply to read") from None
+    if not isinstance(constraints, list) or not constraints:
+        raise ValueError(f"ifeval answer must be a non-empty JSON list of constraints, got {answer[:200]!r}")
+    text = final_text(response)
+    met = 0
+    for c in constraints:
+        if not isinstance(c, dict) or c.get("type") not in CONSTRAINTS:
+            raise ValueError(f"ifeval constraint {c!r}: 'type' must be one of {sorted(CONSTRAINTS)}")
+        try:
+            met += bool(CONSTRAINTS[c["type"]](text, c))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"ifeval constraint {c!r}: missing or bad parameter ({type(e).__name__}: {e})") from None
+    return met / len(constraints)
+
+
+def _rg_answer(response: str) -> str | None:
+    return rg_extract(response) or None
+
+
+def math_answer(response: str, fallback: str = "last_number") -> str | None:
+    """The answer the math rewards read: from the text after the reasoning (final_text: after the last
+    </think>, or the whole response without one)."""
+    return extract_answer(final_text(response), fallback)
+
+
+# The final answer of a response, per verifier, read from what its reward reads: what maj@k votes with and the
+# data cleaning's majority filter compares. Verifiers without one short answer (code, ifeval) have none.
+ANSWERS = {"tiny": tiny_answer, "math": math_answer, "math_boxed": functools.partial(math_answer, fallback="none"),
+           "rg": _rg_answer}
+
+
+def final_answer(verifier: str, response: str) -> str | None:
+    return ANSWERS[verifier](response) if verifier in ANSWERS else None
+
+
+# Verifier functions must live at module level: workers import them by "module:name".
+VERIFIERS = {"tiny": tiny_reward, "math": math_reward, "math_boxed": math_boxed_reward, "code": sandbox.code_reward,
+             "rg": rg_reward, "ifeval": ifeval_reward}
+
+
