@@ -155,19 +155,6 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
     P = shape.params()
     L = max(cfg.max_tokens_per_micro_batch, cfg.max_prompt_len + cfg.max_response_len)  # a longer sample goes alone
     T = -(-L // sp)  # the tokens of a micro-batch on this rank: its slice under --sp
-    per_layer = shape.layer_activations(T) * c
-    # kept for the backward: every layer's activations, or (checkpointing) every layer's input plus the one
-    # layer recomputed; and, as the backward walks a layer, the gradients of its activations
-    kept = shape.layers * T * shape.hidden * c + per_layer if cfg.gradient_checkpointing else shape.layers * per_layer
-    activations = kept + per_layer
-    rows_len = L if cfg.pack else min(L, cfg.max_prompt_len + cfg.max_response_len)
-    if cfg.attn_implementation.startswith("flash") or cfg.attn_implementation == "varlen":
-        attention = 0
-    elif sp > 1:  # seqpar.packed_attention's sdpa: one additive [L, L] mask, shared by the layers
-        attention = rows_len * rows_len * c
-    else:  # transformers' sdpa: each layer keeps its float copy of the boolean mask (eager: every head's scores)
-        attention = (shape.heads if cfg.attn_implementation == "eager" else 1) * shape.layers * rows_len * rows_len \
-            * c * (L // rows_len)
     state = {"weights": P * b // shards, "gradients": P * b // shards, "AdamW moments": 2 * P * b // shards}
     trainer = {k: 0 for k in state} if offload else dict(state)
     if c != b and shards == 1:
@@ -181,10 +168,9 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
         kv = max(shape.kv_heads, sp)
         trainer["all-to-all (--sp)"] = 2 * (2 * shape.heads + 2 * kv) // sp * L * shape.head_dim * c * \
             (1 if cfg.gradient_checkpointing else shape.layers)
-    trainer.update({"activations": activations, "attention scores": attention,
+    trainer.update({"activations": activation_bytes(shape, cfg, T, c),
+                    "attention scores": attention_bytes(shape, cfg, L, sp, c),
                     "lm_head chunks": 4 * 512 * shape.vocab * 4})
-    full, samples = cfg.max_prompt_len + cfg.max_response_len, cfg.train_groups * cfg.group_size
-    batch = samples * full
     routed = shape.layers * shape.experts_per_token if cfg.routing_replay != "false" and shape.experts else 0
     if routed:  # the replay ids wait in host memory (below); each router moves its layer's slice to the device
         trainer["routing replay ids"] = T * shape.experts_per_token * 8
@@ -201,6 +187,39 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
         trainer["rollout KV cache (rank 0)"] = kv_per_slot * max(slots, min(256, cfg.eval_n) if cfg.eval_data else 0)
         if world > 1:
             trainer["rollout model copy (rank 0)"] = P * c
+    host = host_items(shape, cfg, world, sp, T, routed)
+    if offload:
+        host["offloaded optimizer state"] = sum(state.values()) + (P * b // shards if cfg.kl_coef > 0 else 0)
+    return Plan(trainer, engine, host)
+
+
+def activation_bytes(shape: Shape, cfg, T: int, c: int) -> int:
+    """Kept for the backward of a micro-batch of T tokens: every layer's activations, or (checkpointing) every
+    layer's input plus the one layer recomputed; and, as the backward walks a layer, the gradients of its
+    activations."""
+    per_layer = shape.layer_activations(T) * c
+    kept = shape.layers * T * shape.hidden * c + per_layer if cfg.gradient_checkpointing else shape.layers * per_layer
+    return kept + per_layer
+
+
+def attention_bytes(shape: Shape, cfg, L: int, sp: int, c: int) -> int:
+    """The masks (or eager's scores) attention keeps for a micro-batch of L tokens in rows of `cfg`'s length."""
+    rows_len = L if cfg.pack else min(L, cfg.max_prompt_len + cfg.max_response_len)
+    if cfg.attn_implementation.startswith("flash") or cfg.attn_implementation == "varlen":
+        return 0
+    if sp > 1:  # seqpar.packed_attention's sdpa: one additive [L, L] mask, shared by the layers
+        return rows_len * rows_len * c
+    # transformers' sdpa: each layer keeps its float copy of the boolean mask (eager: every head's scores)
+    return (shape.heads if cfg.attn_implementation == "eager" else 1) * shape.layers * rows_len * rows_len \
+        * c * (L // rows_len)
+
+
+def host_items(shape: Shape, cfg, world: int, sp: int, T: int, routed: int) -> dict:
+    """Host memory of a trainer process for the rollout's records and the step's batch (`routed`: replayed
+    expert ids a token, 0 without routing replay)."""
+    full, samples = cfg.max_prompt_len + cfg.max_response_len, cfg.train_groups * cfg.group_size
+    batch = samples * full
+    slots = cfg.prompts_per_step * cfg.group_size
     # the rollout's records live in Python lists on the host: rank 0 holds every sample in flight (the rollout
     # batch's slots, module docstring) at full length at worst, and every rank the step's batch (the broadcast's
     # pickle, then the samples it unpickles); --routing-replay: their routing too, in a tensor (pickled whole)
@@ -215,9 +234,7 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
         host.update({"routing records (rank 0)": slots * full * ids, "batch's routing (every rank)": 2 * batch * ids,
                      "routing replay ids (every rank)": mine * full * (routed * 2 + 8)
                      + (2 if cfg.kl_coef > 0 else 1) * T * routed * 2})
-    if offload:
-        host["offloaded optimizer state"] = sum(state.values()) + (P * b // shards if cfg.kl_coef > 0 else 0)
-    return Plan(trainer, engine, host)
+    return host
 
 
 def device_bytes(device: str, stated_gb: float = 0.0) -> int | None:
