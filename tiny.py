@@ -64,7 +64,7 @@ def make_moe_model(tokenizer, seed: int = 0, experts: int = 4, top_k: int = 2) -
 def make_long_context_model(max_len: int, tokenizer=None, seed: int = 0) -> Qwen3ForCausalLM:
     """A random dense Qwen3 of ~3M parameters (8 heads, 4 KV heads) whose memory and time at a few thousand
     tokens go to activations and attention, not weights: what sequence parallelism splits (bench/sp.py,
-    plan.py check). `tokenizer`: its vocabulary and special tokens (default: 64 ids, no specials)."""
+    bench/memory_plan.py). `tokenizer`: its vocabulary and special tokens (default: 64 ids, no specials)."""
     torch.manual_seed(seed)
     special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id) if tokenizer else {}
     return Qwen3ForCausalLM(Qwen3Config(

@@ -227,3 +227,13 @@ def test_trl(tmp_path):
     r = last_json(p)
     assert r["variants"] == ["trl", "ulorl-1seg", "ulorl-4seg"] and r["speedup_vs_trl"][0] == 1.0
     assert all(n == 1 for n in r["steps_measured"]), r
+
+
+def test_plan_load():
+    """The memory plan's loading measurement under torchrun, as docs/memory.md runs it: one JSON line a rank."""
+    p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bench",
+             "plan", "load", "--model", "tiny_ckpt"], cwd=ROOT, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = sorted((json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")), key=lambda x: x["rank"])
+    assert [(x["rank"], x["ranks"], x["path"]) for x in rows] == [(0, 2, "sharded"), (1, 2, "sharded")], rows
+    assert rows[0]["params"] > 0 and rows[0]["load_peak_mib"] >= 0, rows
