@@ -229,6 +229,13 @@ def test_trl(tmp_path):
     assert all(n == 1 for n in r["steps_measured"]), r
 
 
+def test_reward():
+    """The pool and the loop score the same pairs alike (the mode asserts it) and both take time."""
+    r = last_json(run_bench("reward", "--n", "20", "--workers", "1"))
+    assert r["bench"] == "reward" and r["n"] == 20 and r["workers"] == 1, r
+    assert r["loop_s"] > 0 and r["pool_warm_s"] > 0 and 0 < r["accuracy_of_pairs"] < 1, r
+
+
 def test_plan_load():
     """The memory plan's loading measurement under torchrun, as docs/memory.md runs it: one JSON line a rank."""
     p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bench",
