@@ -134,7 +134,7 @@ class HFEngine:
         # --routing-replay: record the experts of every position it computes (routing.Routing's hooks)
         self.routing = Routing.of(model) if routing else None
         self.generator = torch.Generator().manual_seed(seed)  # only for requests sent without keys
-        self.prefill_tokens = 0  # rows x width of every prefill forward, padding included (bench.py reads it)
+        self.prefill_tokens = 0  # rows x width of every prefill forward, padding included (test_engine.py reads it)
 
     def update_weights(self, lm) -> None:
         """The trainer's module `lm`. Sharing it (one process), there is nothing to copy; a copy of the model

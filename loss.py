@@ -10,7 +10,7 @@ log-probs are.
 import torch
 from torch.utils.checkpoint import checkpoint
 
-LM_HEAD_CHUNK = 512  # positions per lm_head chunk: [512, 151936] fp32 logits are 0.3 GB (bench.py memory)
+LM_HEAD_CHUNK = 512  # positions per lm_head chunk: [512, 151936] fp32 logits are 0.3 GB (python -m bench memory)
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The memory plan: what a run needs per trainer GPU and per engine GPU, from the model's config.json alone,
 before anything loads (`python train.py ... --plan` prints it; every run checks it and stops when it cannot
-fit), and the measured peaks it is checked against (on CPU, host memory stands in for the device's).
+fit), and the host-memory peaks train.py measures; `python -m bench plan check` (bench/memory_plan.py) checks
+the plan against them (on CPU, host memory stands in for the device's).
 
     WORLD_SIZE=6 python train.py --preset ulorl --model Qwen/Qwen3-30B-A3B --rollout-gpus 6,7 --plan
 
@@ -155,19 +156,6 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
     P = shape.params()
     L = max(cfg.max_tokens_per_micro_batch, cfg.max_prompt_len + cfg.max_response_len)  # a longer sample goes alone
     T = -(-L // sp)  # the tokens of a micro-batch on this rank: its slice under --sp
-    per_layer = shape.layer_activations(T) * c
-    # kept for the backward: every layer's activations, or (checkpointing) every layer's input plus the one
-    # layer recomputed; and, as the backward walks a layer, the gradients of its activations
-    kept = shape.layers * T * shape.hidden * c + per_layer if cfg.gradient_checkpointing else shape.layers * per_layer
-    activations = kept + per_layer
-    rows_len = L if cfg.pack else min(L, cfg.max_prompt_len + cfg.max_response_len)
-    if cfg.attn_implementation.startswith("flash") or cfg.attn_implementation == "varlen":
-        attention = 0
-    elif sp > 1:  # seqpar.packed_attention's sdpa: one additive [L, L] mask, shared by the layers
-        attention = rows_len * rows_len * c
-    else:  # transformers' sdpa: each layer keeps its float copy of the boolean mask (eager: every head's scores)
-        attention = (shape.heads if cfg.attn_implementation == "eager" else 1) * shape.layers * rows_len * rows_len \
-            * c * (L // rows_len)
     state = {"weights": P * b // shards, "gradients": P * b // shards, "AdamW moments": 2 * P * b // shards}
     trainer = {k: 0 for k in state} if offload else dict(state)
     if c != b and shards == 1:
@@ -181,10 +169,9 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
         kv = max(shape.kv_heads, sp)
         trainer["all-to-all (--sp)"] = 2 * (2 * shape.heads + 2 * kv) // sp * L * shape.head_dim * c * \
             (1 if cfg.gradient_checkpointing else shape.layers)
-    trainer.update({"activations": activations, "attention scores": attention,
+    trainer.update({"activations": activation_bytes(shape, cfg, T, c),
+                    "attention scores": attention_bytes(shape, cfg, L, sp, c),
                     "lm_head chunks": 4 * 512 * shape.vocab * 4})
-    full, samples = cfg.max_prompt_len + cfg.max_response_len, cfg.train_groups * cfg.group_size
-    batch = samples * full
     routed = shape.layers * shape.experts_per_token if cfg.routing_replay != "false" and shape.experts else 0
     if routed:  # the replay ids wait in host memory (below); each router moves its layer's slice to the device
         trainer["routing replay ids"] = T * shape.experts_per_token * 8
@@ -201,6 +188,39 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
         trainer["rollout KV cache (rank 0)"] = kv_per_slot * max(slots, min(256, cfg.eval_n) if cfg.eval_data else 0)
         if world > 1:
             trainer["rollout model copy (rank 0)"] = P * c
+    host = host_items(shape, cfg, world, sp, T, routed)
+    if offload:
+        host["offloaded optimizer state"] = sum(state.values()) + (P * b // shards if cfg.kl_coef > 0 else 0)
+    return Plan(trainer, engine, host)
+
+
+def activation_bytes(shape: Shape, cfg, T: int, c: int) -> int:
+    """Kept for the backward of a micro-batch of T tokens: every layer's activations, or (checkpointing) every
+    layer's input plus the one layer recomputed; and, as the backward walks a layer, the gradients of its
+    activations."""
+    per_layer = shape.layer_activations(T) * c
+    kept = shape.layers * T * shape.hidden * c + per_layer if cfg.gradient_checkpointing else shape.layers * per_layer
+    return kept + per_layer
+
+
+def attention_bytes(shape: Shape, cfg, L: int, sp: int, c: int) -> int:
+    """The masks (or eager's scores) attention keeps for a micro-batch of L tokens in rows of `cfg`'s length."""
+    rows_len = L if cfg.pack else min(L, cfg.max_prompt_len + cfg.max_response_len)
+    if cfg.attn_implementation.startswith("flash") or cfg.attn_implementation == "varlen":
+        return 0
+    if sp > 1:  # seqpar.packed_attention's sdpa: one additive [L, L] mask, shared by the layers
+        return rows_len * rows_len * c
+    # transformers' sdpa: each layer keeps its float copy of the boolean mask (eager: every head's scores)
+    return (shape.heads if cfg.attn_implementation == "eager" else 1) * shape.layers * rows_len * rows_len \
+        * c * (L // rows_len)
+
+
+def host_items(shape: Shape, cfg, world: int, sp: int, T: int, routed: int) -> dict:
+    """Host memory of a trainer process for the rollout's records and the step's batch (`routed`: replayed
+    expert ids a token, 0 without routing replay)."""
+    full, samples = cfg.max_prompt_len + cfg.max_response_len, cfg.train_groups * cfg.group_size
+    batch = samples * full
+    slots = cfg.prompts_per_step * cfg.group_size
     # the rollout's records live in Python lists on the host: rank 0 holds every sample in flight (the rollout
     # batch's slots, module docstring) at full length at worst, and every rank the step's batch (the broadcast's
     # pickle, then the samples it unpickles); --routing-replay: their routing too, in a tensor (pickled whole)
@@ -215,9 +235,7 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
         host.update({"routing records (rank 0)": slots * full * ids, "batch's routing (every rank)": 2 * batch * ids,
                      "routing replay ids (every rank)": mine * full * (routed * 2 + 8)
                      + (2 if cfg.kl_coef > 0 else 1) * T * routed * 2})
-    if offload:
-        host["offloaded optimizer state"] = sum(state.values()) + (P * b // shards if cfg.kl_coef > 0 else 0)
-    return Plan(trainer, engine, host)
+    return host
 
 
 def device_bytes(device: str, stated_gb: float = 0.0) -> int | None:
@@ -363,121 +381,3 @@ def reset_host_peak() -> int:
 def host_peak() -> int:
     """This process's resident-memory high-water mark, in bytes, since the last reset_host_peak()."""
     return _status_kib("VmHWM") * 1024
-
-
-
-# ----------------------------------------------------------------------------------------- checking
-
-def check(work: str, only: str = "") -> list[dict]:
-    """`python plan.py check`: the plan against the measured peak host memory (train.py's memory/* records:
-    the high-water mark above the resident memory before loading) of short runs on this CPU: the tiny
-    dense and Mixture-of-Experts models in one process and as 2 FSDP2 ranks, and a random dense model of
-    ~150M parameters. Prints one line per run and returns them."""
-    import json
-    import random
-    import subprocess
-    import sys
-
-    import tiny
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    tok = tiny.make_tokenizer()
-    models = {"tiny dense": tiny.CKPT}
-    for name, make in (("tiny MoE", lambda: tiny.make_moe_model(tok)),
-                       ("150M dense", lambda: Qwen3ForCausalLM(Qwen3Config(
-                           vocab_size=len(tok), hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
-                           num_attention_heads=16, num_key_value_heads=8, head_dim=64, max_position_embeddings=256,
-                           tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
-                           pad_token_id=tok.pad_token_id))),
-                       ("3M long-context", lambda: tiny.make_long_context_model(4096, tok))):
-        path = os.path.join(work, name.replace(" ", "_"))
-        if not os.path.exists(path):
-            make().save_pretrained(path)
-            tok.save_pretrained(path)
-        models[name] = path
-    data = os.path.join(work, "data.jsonl")  # rewards that vary for any model: at most 4 words
-    rng = random.Random(0)
-    with open(data, "w") as f:
-        for _ in range(200):
-            prompt = "+".join(str(rng.randint(1, 9)) for _ in range(rng.randint(2, 5))) + "="
-            f.write(json.dumps({"prompt": prompt, "answer": [{"type": "max_words", "n": 4}], "verifier": "ifeval"}) + "\n")
-    long_data = os.path.join(work, "long.jsonl")  # ~950-token prompts: full 4096-token micro-batches whatever the
-    with open(long_data, "w") as f:  # random model's responses (it stops after ~17 tokens)
-        for _ in range(200):
-            prompt = "+".join(str(rng.randint(1, 9)) for _ in range(rng.randint(450, 475))) + "="
-            f.write(json.dumps({"prompt": prompt, "answer": [{"type": "max_words", "n": 4}], "verifier": "ifeval"}) + "\n")
-    # smaller steps for the larger model, with micro-batches still full on each of 2 ranks (~700 tokens each)
-    small = ["--prompts-per-step", "8", "--group-size", "4", "--train-groups", "8", "--max-response-len", "32",
-             "--segments", "2", "--max-tokens-per-micro-batch", "512"]
-    # samples of ~1000 tokens packed 4096 to a micro-batch: activations and attention dominate, which --sp splits
-    long = ["--data", long_data, "--prompts-per-step", "4", "--group-size", "4", "--train-groups", "4",
-            "--max-prompt-len", "1024", "--max-response-len", "64", "--segments", "1",
-            "--max-tokens-per-micro-batch", "4096", "--pack", "true", "--engine", "hf"]
-    cases = [("tiny dense", 1, []), ("tiny dense", 2, []), ("tiny MoE", 1, ["--data", data]),
-             ("tiny MoE", 2, ["--data", data]), ("150M dense", 1, ["--data", data, *small]),
-             ("150M dense", 2, ["--data", data, *small]),
-             ("150M dense", 1, ["--data", data, *small, "--gradient-checkpointing", "true"]),
-             ("150M dense", 2, ["--data", data, *small, "--offload-optimizer", "true"]),
-             ("3M long-context", 2, long), ("3M long-context", 2, [*long, "--sp", "2"])]
-    rows = []
-    label = lambda flags: ("ckpt" if "--gradient-checkpointing" in flags else "sp2" if "--sp" in flags else
-                           "offload" if "--offload-optimizer" in flags else "")
-    for name, ranks, flags in [c for c in cases if only in f"{c[0]} x{c[1]} {label(c[2])}"]:
-        variant = label(flags)
-        out = os.path.join(work, f"{name.replace(' ', '_')}_{ranks}{'_' + variant if variant else ''}")
-        launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-                                       if ranks > 1 else [])
-        cmd = [*launcher, "train.py", "--model", models[name], "--steps", "3", "--eval-n", "64", "--dump-samples", "0",
-               "--dynamic-sampling", "false", "--out", out, "--overwrite", *flags]
-        proc = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-        if proc.returncode != 0:
-            raise RuntimeError(f"{name} x{ranks}: {proc.stderr[-2000:]}")
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            recs = [json.loads(line) for line in f]
-        first = next(r for r in recs if "memory/plan_trainer_mib" in r)  # logged once, with the first record
-        # (offloaded state is host memory, as everything is on CPU)
-        planned = first["memory/plan_trainer_mib"] + first.get("memory/plan_offloaded_mib", 0)
-        measured = max(r["memory/host_peak_mib"] for r in recs[1:])
-        rows.append({"model": name, "ranks": ranks, "variant": variant, "plan_mib": round(planned), "measured_mib": round(measured),
-                     "plan/measured": round(planned / measured, 3), "load_peak_mib": round(first["memory/load_host_mib"])})
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
-
-
-def measure_load(model: str, whole: bool) -> dict:
-    """`torchrun ... plan.py load --model M [--whole]`: this rank's host-memory peak while loading the policy
-    for FSDP2, the way train.py does (sharded: meta device, shard, fill this rank's shards a layer at a
-    time), or (--whole) the way it did before: the whole model on every rank, then sharded."""
-    import torch.distributed as dist
-
-    import model as model_lib
-    dist.init_process_group("gloo")
-    before = reset_host_peak()
-    if whole:
-        lm = model_lib.load(model)[0]
-        model_lib.wrap(lm, "fsdp")
-    else:
-        lm = model_lib.load_sharded(model)[1]
-    params = sum(p.numel() for p in lm.parameters())
-    row = {"rank": dist.get_rank(), "ranks": dist.get_world_size(), "path": "whole" if whole else "sharded",
-           "params": params, "load_peak_mib": round((host_peak() - before) / 2**20)}
-    dist.destroy_process_group()
-    return row
-
-
-if __name__ == "__main__":
-    import argparse
-    import json
-    import tempfile
-    p = argparse.ArgumentParser(description="the memory plan against measured peaks on CPU: `check` runs short "
-                                            "trainings; `load` (under torchrun) measures one rank's loading peak")
-    p.add_argument("command", choices=["check", "load"])
-    p.add_argument("--dir", default="", help="check: where the models and runs go (default: a temporary directory)")
-    p.add_argument("--only", default="", help="check: only the runs whose '<model> x<ranks> <variant>' contains this (e.g. 150M, 'x2 sp2')")
-    p.add_argument("--model", default="", help="load: the model directory")
-    p.add_argument("--whole", action="store_true", help="load: every rank loads the whole model, then shards")
-    args = p.parse_args()
-    if args.command == "load":
-        print(json.dumps(measure_load(args.model, args.whole)), flush=True)
-    else:
-        check(args.dir or tempfile.mkdtemp(prefix="ulorl_plan_"), args.only)

@@ -15,7 +15,7 @@ truncation rate of every evaluation); for a run that mixes domains, reward_by_ve
 of each verifier). A figure with no data in any run is not written. A new figure is one more FIGURES entry.
 Colour is the run (or, with --seeds, the variant); line style is the metric.
 
-`variant_curves` and `panel_figure` draw the side-by-side figures of experiments/findings.py and bench.py.
+`variant_curves` and `panel_figure` draw the side-by-side figures of experiments/findings.py.
 """
 import argparse
 import json

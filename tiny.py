@@ -63,8 +63,8 @@ def make_moe_model(tokenizer, seed: int = 0, experts: int = 4, top_k: int = 2) -
 
 def make_long_context_model(max_len: int, tokenizer=None, seed: int = 0) -> Qwen3ForCausalLM:
     """A random dense Qwen3 of ~3M parameters (8 heads, 4 KV heads) whose memory and time at a few thousand
-    tokens go to activations and attention, not weights: what sequence parallelism splits (bench.py sp,
-    plan.py check). `tokenizer`: its vocabulary and special tokens (default: 64 ids, no specials)."""
+    tokens go to activations and attention, not weights: what sequence parallelism splits (bench/sp.py,
+    bench/memory_plan.py). `tokenizer`: its vocabulary and special tokens (default: 64 ids, no specials)."""
     torch.manual_seed(seed)
     special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id) if tokenizer else {}
     return Qwen3ForCausalLM(Qwen3Config(
@@ -104,7 +104,7 @@ def teacher_response(terms: list[int], rng: random.Random, slip: float = 0.0) ->
     return ",".join(steps) + ":" + str(s)
 
 
-@functools.lru_cache(maxsize=4)  # train.py draws the same 100k rows at every start (~1.5 s; bench.py starts often)
+@functools.lru_cache(maxsize=4)  # train.py draws the same 100k rows at every start (~1.5 s; bench/ starts it often)
 def make_rows(n: int, seed: int) -> list[dict]:
     """n problems as dataset rows (the same shape data.py loads from files). Cached: never change the rows."""
     rng = random.Random(seed)

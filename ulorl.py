@@ -8,7 +8,7 @@ Where each part of the papers lives (every paper number is a flag default or a p
   UloRL (arXiv 2507.19766)
     3.1 segment rollout, Algorithm 1 ...... segment_rollout.rollout_step, Pools; rollouts.Rollouts;
                                             --segments (8), --max-response-len (131072)
-    3.1 speed 1240 s -> 601 s (4 segs) ..... bench.py segments
+    3.1 speed 1240 s -> 601 s (4 segs) ..... bench/segments.py
     3.1 TOIS / SAIS / POIS ................ loss.old_logprobs, used in prepare() below; --is-mode (pois)
     3.2 DMMPTs (tau 0.99, sigma 0.2) ...... loss.mpt_mask, token_masks() below; --mpt, --mpt-tau, --mpt-sigma
     3.2 Eq. 10: masked tokens stay in the denominator ... optimize() below, loss.policy_loss(pg_mask=...)

@@ -1,5 +1,5 @@
-"""Smoke test of bench.py: every mode runs end to end at a trivial size and prints its JSON line. No timing is
-checked here (benchmarks measure, tests don't); the figures are in the README.
+"""Smoke test of bench/ (`python -m bench NAME`): every mode runs end to end at a trivial size and prints its
+JSON line. No timing is checked here (benchmarks measure, tests don't); the figures are in the README.
 
     python -m pytest tests/test_bench.py
 """
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_bench(*args, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS="1")  # tests may run beside each other on 2 cores
-    p = run([sys.executable, "bench.py", *args], cwd=ROOT, timeout=timeout, env=env)
+    p = run([sys.executable, "-m", "bench", *args], cwd=ROOT, timeout=timeout, env=env)
     return p
 
 
@@ -47,13 +47,13 @@ def test_segments(tmp_path):
 def test_gpu_cost_model_by_hand():
     """Bytes over bandwidth, summed over decode steps: weights read once a step, each active row's KV cache
     (context so far) read once a step; a row that finishes leaves the batch."""
-    import bench
-    c = bench.GPUCost(layers=1, shared_bytes=100, expert_bytes=0, experts=1, top_k=1, kv_bytes_per_token=1,
-                      memory=1e9, hbm_bytes_per_s=1, flops=1e30, prefill_mfu=1, step_floor=0)
+    from bench.gpu_cost import GPUCost
+    c = GPUCost(layers=1, shared_bytes=100, expert_bytes=0, experts=1, top_k=1, kv_bytes_per_token=1,
+                memory=1e9, hbm_bytes_per_s=1, flops=1e30, prefill_mfu=1, step_floor=0)
     assert abs(c.call_seconds([2], [3]) - (3 * 100 + (2 + 3 + 4))) < 1e-6
     assert abs(c.call_seconds([0, 0], [1, 3]) - (100 + 0 + 2 * 100 + (1 + 2))) < 1e-6
-    small = bench.GPUCost(layers=1, shared_bytes=0, expert_bytes=0, experts=1, top_k=1, kv_bytes_per_token=1,
-                          memory=10 / 0.9, hbm_bytes_per_s=1, flops=1e30, step_floor=0)  # room for 10 tokens of KV
+    small = GPUCost(layers=1, shared_bytes=0, expert_bytes=0, experts=1, top_k=1, kv_bytes_per_token=1,
+                    memory=10 / 0.9, hbm_bytes_per_s=1, flops=1e30, step_floor=0)  # room for 10 tokens of KV
     # rows of 6 tokens each (context 1 + 5 generated): one at a time, so the second starts when the first ends
     assert abs(small.call_seconds([1, 1], [5, 5]) - 2 * (1 + 2 + 3 + 4 + 5)) < 1e-6
     assert abs(c.call_seconds([0, 0], [1, 3]) - c.call_seconds([0, 0], [3, 1])) < 1e-6
@@ -62,9 +62,9 @@ def test_gpu_cost_model_by_hand():
 def test_simulated_rollout_trains_every_sample_once():
     """The real scheduler around LengthEngine: with S segments every sample needs ceil(length / (cap / S))
     rounds, every step trains --train-groups whole groups, and nothing is lost or duplicated."""
-    import bench
+    from bench.simulate import long_tail, simulate_segments
     for segments in (1, 4):
-        steps = bench.simulate_segments(segments, bench.long_tail(0, 64, 20, 0.8), 64, 4, 2, 4, 5, 2)
+        steps = simulate_segments(segments, long_tail(0, 64, 20, 0.8), 64, 4, 2, 4, 5, 2)
         assert len(steps) == 5 and all(len(lengths) == 4 * 2 for _, lengths in steps)
         assert all(4 < n <= 4 + 64 for _, lengths in steps for n in lengths)  # prompt of 4 + response
         assert all(max(gen) <= 64 // segments for calls, _ in steps for _, gen in calls)
@@ -75,29 +75,29 @@ def test_gpu_cost_model_floor_replicas_update():
     """The revised model: a decode step pays the calibrated floor whatever its rows (the floor dominates a
     1-row step, not a full one); R replicas split a call by count and it lasts as long as the slowest; the
     update's FLOPs by hand; an overlapped step is the slower of rollout and update, else their sum."""
-    import bench
-    c = bench.GPUCost()
-    floor = bench.floor_from_batch1(c, **bench.QWEN_BATCH1)  # Qwen's batch-1 figure minus the model's own bytes
+    from bench.gpu_cost import QWEN_BATCH1, GPUCost, floor_from_batch1, rl_step_seconds
+    c = GPUCost()
+    floor = floor_from_batch1(c, **QWEN_BATCH1)  # Qwen's batch-1 figure minus the model's own bytes
     assert 0.005 < floor < 0.0065 and abs(c.step_floor / floor - 1) < 0.01
     assert c.step_floor / c.step_seconds(1, 1000) > 0.75  # ~6.1 GB read in 1.3 ms, then the floor
     assert c.step_floor / c.step_seconds(1024, 500_000) < 0.25  # 60 GB of weights + 49 GB of KV cache
     # by hand: 3 decode steps of 10 (floor) + 100 (weights) + the KV cache read (2 + 3 + 4), no prefill cost
-    hand = bench.GPUCost(layers=1, shared_bytes=100, expert_bytes=0, experts=1, top_k=1, kv_bytes_per_token=1,
-                         attention_width=0, memory=1e9, hbm_bytes_per_s=1, flops=1e30, step_floor=10)
+    hand = GPUCost(layers=1, shared_bytes=100, expert_bytes=0, experts=1, top_k=1, kv_bytes_per_token=1,
+                   attention_width=0, memory=1e9, hbm_bytes_per_s=1, flops=1e30, step_floor=10)
     assert abs(hand.call_seconds([2], [3]) - (3 * 10 + 3 * 100 + (2 + 3 + 4))) < 1e-6
     # two replicas: the rows dealt round-robin, each engine alone, the call as long as the slower
     two = dataclasses.replace(hand, replicas=2)
     assert abs(two.call_seconds([2, 0, 0], [3, 1, 5]) - max(hand.call_seconds([2, 0], [3, 5]), hand.call_seconds([0], [1]))) < 1e-6
     # prefill: 2 x active params x tokens + causal attention 2 x layers x width x tokens^2, at prefill_mfu
-    pre = bench.GPUCost(layers=2, shared_bytes=10, expert_bytes=0, top_k=1, attention_width=3, flops=1.0, prefill_mfu=0.5)
+    pre = GPUCost(layers=2, shared_bytes=10, expert_bytes=0, top_k=1, attention_width=3, flops=1.0, prefill_mfu=0.5)
     assert pre.forward_flops(4) == 2 * 5 * 4 + 2 * 2 * 3 * 16
     assert abs(pre.engine_seconds([4], [0]) - pre.forward_flops(4) / 0.5) < 1e-9
     # the update: (3 for forward + backward, 1 for pi_old, 1 for the reference with KL) x forward FLOPs
-    upd = bench.GPUCost(layers=1, shared_bytes=20, expert_bytes=0, top_k=1, attention_width=0, flops=100,
-                        train_gpus=2, train_mfu=0.5)  # 10 active parameters
+    upd = GPUCost(layers=1, shared_bytes=20, expert_bytes=0, top_k=1, attention_width=0, flops=100,
+                  train_gpus=2, train_mfu=0.5)  # 10 active parameters
     assert abs(upd.update_seconds([5, 5]) - 4 * 2 * (2 * 10 * 5) / (2 * 100 * 0.5)) < 1e-9
     assert abs(dataclasses.replace(upd, kl=True).update_seconds([5, 5]) / upd.update_seconds([5, 5]) - 5 / 4) < 1e-9
-    assert bench.rl_step_seconds(3.0, 5.0, overlap=True) == 5.0 and bench.rl_step_seconds(3.0, 5.0, overlap=False) == 8.0
+    assert rl_step_seconds(3.0, 5.0, overlap=True) == 5.0 and rl_step_seconds(3.0, 5.0, overlap=False) == 8.0
     # more replicas, never slower; a call lasts at least its longest row's decode steps x the floor
     rng = random.Random(0)
     ctx, gen = [rng.randint(100, 2000) for _ in range(256)], [rng.randint(1, 65536) for _ in range(256)]
@@ -112,12 +112,12 @@ def test_gpu_cost_model_floor_replicas_update():
 def test_gpu_table_reproduces_its_parts(monkeypatch):
     """gpu_table over a reduced scan: overlap never slower than rollout + update, the step at least the
     slower of the two on average, and more engines with a higher floor give segments the larger speedup."""
-    import bench
-    monkeypatch.setattr(bench, "FLOORS", (0.0, 0.012))
-    monkeypatch.setattr(bench, "REPLICAS", (1, 64))
-    monkeypatch.setattr(bench, "MFUS", (0.4,))
-    monkeypatch.setattr(bench, "TAILS", ((40, 0.9),))
-    rows = bench.gpu_table([1, 4], 0, steps=2)
+    from bench import gpu
+    monkeypatch.setattr(gpu, "FLOORS", (0.0, 0.012))
+    monkeypatch.setattr(gpu, "REPLICAS", (1, 64))
+    monkeypatch.setattr(gpu, "MFUS", (0.4,))
+    monkeypatch.setattr(gpu, "TAILS", ((40, 0.9),))
+    rows = gpu.gpu_table([1, 4], 0, steps=2)
     assert len(rows) == 2 * 2 * 2
     key = {(x["floor_ms"], x["replicas"], x["overlap"]): x for x in rows}
     for x in rows:
@@ -163,10 +163,11 @@ def test_decode(tmp_path):
 def test_enforced_lengths_through_a_real_engine(tok, lm):
     """Enforced around the transformers engine (no stop id) under the real scheduler: a sample ends exactly where
     the long tail drew its length, whatever the segments, and a segment's call never decodes past cap / S."""
-    import bench
+    from bench.scale import Enforced
+    from bench.simulate import long_tail, segment_steps
     from engine import HFEngine, Sampling
     eng = HFEngine(lm, [], tok.pad_token_id, seed=0)
-    length = bench.long_tail(1, 24, 8, 0.9)
+    length = long_tail(1, 24, 8, 0.9)
     for segments in (1, 3):
         totals = {}
 
@@ -176,8 +177,8 @@ def test_enforced_lengths_through_a_real_engine(tok, lm):
                 totals[k] = totals.get(k, 0) + len(g.tokens)
             return gens
 
-        enforced = bench.Enforced(generate, length)
-        run = bench.segment_steps(enforced, segments, 24, 3, 2, 3)
+        enforced = Enforced(generate, length)
+        run = segment_steps(enforced, segments, 24, 3, 2, 3)
         trained = []
         for _ in range(4):
             calls, lengths = next(run)
@@ -226,3 +227,20 @@ def test_trl(tmp_path):
     r = last_json(p)
     assert r["variants"] == ["trl", "ulorl-1seg", "ulorl-4seg"] and r["speedup_vs_trl"][0] == 1.0
     assert all(n == 1 for n in r["steps_measured"]), r
+
+
+def test_reward():
+    """The pool and the loop score the same pairs alike (the mode asserts it) and both take time."""
+    r = last_json(run_bench("reward", "--n", "20", "--workers", "1"))
+    assert r["bench"] == "reward" and r["n"] == 20 and r["workers"] == 1, r
+    assert r["loop_s"] > 0 and r["pool_warm_s"] > 0 and 0 < r["accuracy_of_pairs"] < 1, r
+
+
+def test_plan_load():
+    """The memory plan's loading measurement under torchrun, as docs/memory.md runs it: one JSON line a rank."""
+    p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bench",
+             "plan", "load", "--model", "tiny_ckpt"], cwd=ROOT, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = sorted((json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")), key=lambda x: x["rank"])
+    assert [(x["rank"], x["ranks"], x["path"]) for x in rows] == [(0, 2, "sharded"), (1, 2, "sharded")], rows
+    assert rows[0]["params"] > 0 and rows[0]["load_peak_mib"] >= 0, rows

@@ -1,7 +1,7 @@
 """Memory at scale, checked at tiny scale: the plan's parameter counts against real models, a run that cannot
 fit stopping before it loads anything, sharded loading under 2 FSDP2 ranks giving exactly the weights
 from_pretrained gives, and checkpoints written a layer at a time (several safetensors shards and an index)
-that transformers and vLLM load. The plan against measured peaks: test_distributed.py and `python plan.py check`.
+that transformers and vLLM load. The plan against measured peaks: test_distributed.py and `python -m bench plan check`.
 
     python -m pytest tests/test_plan.py          # ~2 minutes on 2 cores; the vLLM part skips without vLLM
 """
