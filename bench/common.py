@@ -64,13 +64,14 @@ def run_chunk(flags: list[str], out: str, steps: int, log, bucket: bool = True) 
         with open(path) as f:
             done = max((json.loads(line)["step"] for line in f if line.strip()), default=0)
     cfg = train.parse_config(flags + ["--out", out, "--steps", str(steps), "--resume", "auto"])
-    make = train.rollout_engine
-    train.rollout_engine = lambda *a, **kw: CountingEngine(unbucketed(make(*a, **kw), bucket), COUNTS)
+    import placement
+    make = placement.rollout_engine
+    placement.rollout_engine = lambda *a, **kw: CountingEngine(unbucketed(make(*a, **kw), bucket), COUNTS)
     try:
         with contextlib.redirect_stdout(log):
             train.main(cfg)
     finally:
-        train.rollout_engine = make
+        placement.rollout_engine = make
     with open(path) as f:
         return [r for r in map(json.loads, filter(str.strip, f)) if r["step"] > done]
 

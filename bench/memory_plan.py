@@ -109,17 +109,18 @@ def check(work: str, only: str = "") -> list[dict]:
 def measure_load(model: str, whole: bool) -> dict:
     """`torchrun ... -m bench plan load --model M [--whole]`: this rank's host-memory peak while loading the
     policy for FSDP2, the way train.py does (sharded: meta device, shard, fill this rank's shards a layer at a
-    time), or (--whole) the way it did before: the whole model on every rank, then sharded."""
+    time), or (--whole) whole on every rank, then sharded."""
     import torch.distributed as dist
 
     import model as model_lib
+    import placement
     dist.init_process_group("gloo")
     before = plan_lib.reset_host_peak()
     if whole:
         lm = model_lib.load(model)[0]
         model_lib.wrap(lm, "fsdp")
     else:
-        lm = model_lib.load_sharded(model)[1]
+        lm = placement.load_sharded(model)[1]
     params = sum(p.numel() for p in lm.parameters())
     row = {"rank": dist.get_rank(), "ranks": dist.get_world_size(), "path": "whole" if whole else "sharded",
            "params": params, "load_peak_mib": round((plan_lib.host_peak() - before) / 2**20)}

@@ -1,6 +1,6 @@
 """`python -m bench reward`: seconds to score math answers with the reward pool (reward.score_batch: worker
 processes, messages, a timeout per check) against the fastest single-process loop over the same pairs
-(reward.math_reward called in this process, as a worker calls it: no protection from a hanging check)."""
+(verifiers.math_reward called in this process, as a worker calls it: no protection from a hanging check)."""
 import logging
 import random
 import time
@@ -36,13 +36,15 @@ def timed(fn):
 
 def bench_reward(args, _unused: list[str], timeout: float = 5.0) -> dict:
     import reward
+    import verifiers
+    import workers
     items = math_items(args.n)
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # as in the workers: no "timeout disabled" noise
-    reward._IN_WORKER = True  # the loop checks in this process, as a single-process scorer would
+    workers.IN_WORKER = True  # the loop checks in this process, as a single-process scorer would
     try:
-        loop, loop_s = timed(lambda: [reward.math_reward(response, answer) for _, response, answer in items])
+        loop, loop_s = timed(lambda: [verifiers.math_reward(response, answer) for _, response, answer in items])
     finally:
-        reward._IN_WORKER = False
+        workers.IN_WORKER = False
     score = lambda: reward.score_batch(items, timeout=timeout, workers=args.workers)
     _, cold_s = timed(score)  # includes starting the worker processes
     (pool, metrics), warm_s = timed(score)

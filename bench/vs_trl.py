@@ -15,9 +15,9 @@ from bench.common import add_run_flags, load_train, mean, rotate, run_chunk
 
 def trl_reward(completions, answer, completion_ids, **kw):
     """TRL reward function: the tiny verifier on the decoded completion; counts generated tokens."""
-    import reward
+    import verifiers
     TRL_STATS["tokens"] += sum(len(c) for c in completion_ids)
-    rewards = [reward.tiny_reward(c, a) for c, a in zip(completions, answer)]
+    rewards = [verifiers.tiny_reward(c, a) for c, a in zip(completions, answer)]
     TRL_STATS["rewards"].append(mean(rewards))
     return rewards
 
