@@ -57,7 +57,8 @@ def download(folder: str = FOLDER) -> int:
     os.makedirs(folder, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON,
            "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
-           "--platform", "manylinux2014_x86_64", "-d", folder] + [f"{name}=={version}" for name, version, _, _ in WHEELS]
+           "--platform", "manylinux2014_x86_64", "-d", folder]
+    cmd += [f"{name}=={version}" for name, version, _, _ in WHEELS]
     return subprocess.run(cmd).returncode
 
 
