@@ -10,7 +10,12 @@ comparison and the overlap run's criteria (engine_lag, replica_idle) pass and fa
 check's comparison, run on the CPU with sdpa against its per-sequence reference, passes right boundaries and
 catches wrong ones; and the Hugging Face cache it builds resolves the hub name offline.
 
-    python -m pytest tests/test_gpu_check.py      # ~50 s on 2 cores
+The one-GPU check (tests/gpu/h200.py) without a GPU: its dry run lists every check with its commands and
+planned seconds within the deadline, and the working tree and wheels within what may travel; the wheels follow
+requirements.txt; the deadline skips, and a failing check's harness fails, as they should; weight_sync imports
+without vLLM; Qwen3-30B-A3B's shape is checked; and its layers check runs end to end at toy size on the CPU.
+
+    python -m pytest tests/test_gpu_check.py      # ~65 s on 2 cores (the one-GPU check's tests: ~25 s)
 """
 import importlib.util
 import json
@@ -536,3 +541,179 @@ def test_runs_are_watched_and_killed(tmp_path):
             assert f.read().split(")")[1].split()[0] == "Z"
     except FileNotFoundError:
         pass
+
+
+# ------------------------------------------------------------------- the one-GPU check (tests/gpu/h200.py)
+
+h200_spec = importlib.util.spec_from_file_location("gpu_h200", os.path.join(ROOT, "tests", "gpu", "h200.py"))
+h200 = importlib.util.module_from_spec(h200_spec)
+h200_spec.loader.exec_module(h200)
+H200_CHECKS = ["kernel", "moe_train", "fsdp_offload", "qwen3_30b_layers", "decode", "segments"]
+
+
+def shell_words(line: str) -> tuple[dict, list[str]]:
+    """(environment, command) of one of check.shell_line's lines."""
+    words = shlex.split(line)
+    env = {}
+    while "=" in words[0] and not words[0].startswith("-"):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    return env, words
+
+
+def tracked_bytes() -> int:
+    """What git would hand the GPU machine, summed apart from h200.tree_bytes: tracked and unignored files."""
+    out = run(["bash", "-c", "{ git ls-files; git ls-files --others --exclude-standard; } | sort -u | "
+                             "while read -r f; do [ -f \"$f\" ] && stat -c %s \"$f\"; done"], timeout=60)
+    return sum(int(n) for n in out.stdout.split())
+
+
+def test_h200_dry_run():
+    """The dry run lists every check once, in order, with its planned seconds and commands: the total with the
+    set-up within the 480 s deadline; train.py with the transformers engine (never vLLM, which that machine lacks),
+    bf16, packed rows through varlen, checkpointing, --routing-replay true and record; one torchrun rank; the
+    benchmarks through BENCH from sys.executable; the wheels with their bytes, and those plus the working tree
+    within the 64 MiB that may travel, adding up."""
+    import config
+    proc = run([sys.executable, "tests/gpu/h200.py", "--dry-run", "--work", "/w"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    checks = [r for r in lines if "check" in r]
+    wheel_lines = [r for r in lines if "wheel" in r]
+    [budget] = [r for r in lines if r.get("budget")]
+    assert [r["check"] for r in checks] == H200_CHECKS == [c.name for c in h200.CHECKS]
+    assert all(r["planned_s"] > 0 and r["commands"] for r in checks)
+    assert budget["planned_s"] == budget["setup_s"] + sum(r["planned_s"] for r in checks)
+    assert budget["planned_s"] <= budget["deadline_s"] == h200.DEADLINE_S <= 480 and budget["fits_time"]
+    commands = {r["check"]: [shell_words(c) for c in r["commands"]] for r in checks}
+    for env, words in (c for cs in commands.values() for c in cs):
+        assert words[0] == sys.executable and env["HF_HUB_OFFLINE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "0"
+        assert "vllm" not in " ".join(words)
+    flags = []
+    for env, words in commands["moe_train"]:
+        args = words[words.index("train.py") + 1:]
+        given = [a for a in args if a.startswith("--")]
+        assert len(given) == len(set(given)), "each flag once: check.py's values replaced, not repeated"
+        flags.append(config.parse_config(args + ["--plan"]))
+        assert env["HF_HOME"].startswith("/w")
+    assert sorted(c.routing_replay for c in flags) == ["record", "true"]
+    for c in flags:
+        assert (c.engine, c.device, c.dtype, c.attn_implementation) == ("hf", "cuda", "bfloat16", "varlen")
+        assert c.pack and c.gradient_checkpointing and c.model == check.HUB["moe"] and c.steps == check.ROUTING_STEPS
+    [(_, fsdp)] = commands["fsdp_offload"]
+    assert fsdp[1:3] == ["-m", "torch.distributed.run"] and fsdp[fsdp.index("--nproc-per-node") + 1] == "1"
+    assert fsdp[fsdp.index("--part") + 1] == "fsdp_offload"
+    for name in ("decode", "segments"):
+        [(_, words)] = commands[name]
+        bench = shlex.split(h200.BENCH)
+        assert words[1:1 + len(bench)] == bench and words[1 + len(bench)] == name
+    [(_, decode)] = commands["decode"]
+    rows = [int(n) for n in decode[decode.index("--rows") + 1].split(",")]
+    assert rows[0] == 1 and rows[-1] == 256 and decode[decode.index("--device") + 1] == "cuda"
+    [decode_line] = [r for r in checks if r["check"] == "decode"]
+    assert decode_line["runs"] or "--device" in decode_line["why"], "skipped on the GPU only for want of --device"
+    assert [w["wheel"] for w in wheel_lines] == [w[0] for w in h200.wheels.WHEELS]
+    assert budget["wheel_bytes"] == sum(w["bytes"] for w in wheel_lines) < 2**20
+    assert budget["tree_bytes"] == tracked_bytes()
+    assert budget["total_bytes"] == budget["tree_bytes"] + budget["wheel_bytes"] <= budget["limit_bytes"] == 64 * 2**20
+    assert budget["fits_size"] and budget["carry"] == ".whl"
+
+
+def test_h200_wheels(tmp_path, monkeypatch):
+    """The wheels carry requirements.txt's math-verify; their status gives the recorded bytes until downloaded,
+    then the files'; without math_verify and without them the check says what to run."""
+    wheels = h200.wheels
+    assert wheels.WHEELS[0][:2] == ("math-verify", wheels.pinned("math-verify"))
+    req = tmp_path / "requirements.txt"
+    req.write_text("torch==2.13.0\nMath-Verify == 1.2.3  # a comment\n")
+    assert wheels.pinned("math-verify", str(req)) == "1.2.3" and wheels.pinned("sympy", str(req)) is None
+    assert [(w["present"], w["bytes"]) for w in wheels.status(str(tmp_path))] == [(False, w[3]) for w in wheels.WHEELS]
+    (tmp_path / wheels.WHEELS[1][2]).write_bytes(b"x" * 10)
+    assert [w["bytes"] for w in wheels.status(str(tmp_path))][1] == 10
+    # where math_verify does not import and the wheels were not carried, the check stops saying what to run
+    monkeypatch.setattr(wheels, "FOLDER", str(tmp_path))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    why = h200.install_wheels(h200.Ctx("cuda", str(tmp_path / "work")))
+    assert "python tests/gpu/wheels.py" in why and wheels.WHEELS[0][2] in why and wheels.WHEELS[1][2] not in why
+
+
+def test_h200_qwen3_30b_shape():
+    """The layers check builds on tests/configs' Qwen3-30B-A3B, the ulorl preset's model, and refuses a config
+    that is not its shape; the headline's plan fits what a trainer may use of an H200."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(h200.QWEN3_30B)
+    assert h200.shape_problems(config) == []
+    config.num_experts = 64
+    assert h200.shape_problems(config) == ["num_experts: 64 where Qwen3-30B-A3B has 128"]
+    plan = h200.headline_plan()
+    assert 100 < plan["trainer_gib"] < plan["budget_gib"] < 141e9 / 2**30
+
+
+def test_h200_deadline(capsys):
+    """run_checks: a check that fits what is left of the deadline runs (with at most 3x its plan); one that no
+    longer fits is skipped, not failed; one whose harness raises fails with the reason, and the next still
+    runs; one that says it cannot run here is skipped; a CUDA-only check is skipped on the CPU."""
+    given = {}
+
+    def ok(ctx, timeout):
+        given["timeout"] = timeout
+        return {"ok": True, "figure": 1}
+
+    def boom(ctx, timeout):
+        raise RuntimeError("no GPU memory left")
+
+    checks = [h200.Check("a", 10, None, ok), h200.Check("b", 10_000, None, ok), h200.Check("c", 1, None, boom),
+              h200.Check("d", 1, None, lambda ctx, t: {"skipped": True, "error": "no --device"}),
+              h200.Check("e", 1, None, lambda ctx, t: {"ok": False, "error": "wrong"}),
+              h200.Check("f", 1, None, ok, cpu="CUDA-only")]
+    lines = h200.run_checks(h200.Ctx("cuda", "/w"), checks, deadline=100, t_start=h200.time.time())
+    assert [r["status"] for r in lines] == ["ok", "skipped", "failed", "skipped", "failed", "ok"]
+    assert given["timeout"] == 3 and lines[0]["figure"] == 1
+    assert "it plans 10000 s" in lines[1]["why"] and "RuntimeError: no GPU memory left" in lines[2]["error"]
+    assert lines[3]["why"] == "no --device" and lines[4]["error"] == "wrong"
+    assert [json.loads(line)["check"] for line in capsys.readouterr().out.splitlines()] == list("abcdef")
+    [cpu] = h200.run_checks(h200.Ctx("cpu", "/w"), checks[-1:], deadline=100, t_start=h200.time.time())
+    assert cpu["status"] == "skipped" and cpu["why"] == "CUDA-only"
+    summary = h200.summary(h200.Ctx("cpu", "/w"), lines, h200.time.time())
+    assert not summary["ok"] and summary["failed"] == ["c", "e"] and summary["skipped"] == ["b", "d"]
+
+
+def test_h200_weight_sync_without_vllm():
+    """Where vLLM is missing (the one-GPU machine), weight_sync still imports, with stand-ins for vLLM's types
+    that then leave sys.modules, and HFSource gives the checkpoint's names, each tensor where it is asked to be."""
+    probe = """if True:
+        import json, sys
+        sys.modules["vllm"] = None  # as if not installed: import vllm fails
+        sys.path.insert(0, "tests/gpu")
+        import h200, torch, tiny, distributed
+        ws = h200.import_weight_sync()
+        lm = tiny.make_moe_model(tiny.make_tokenizer())
+        sent = [(n, str(t.device), str(t.dtype)) for n, t in ws.HFSource(lm, torch.bfloat16, torch.device("cpu"))]
+        print(json.dumps({"leftover": [m for m in sys.modules if m.startswith("vllm.")], "sent": sent,
+                          "names": [n for n, _ in distributed.hf_weights(lm)]}))
+    """
+    proc = run([sys.executable, "-c", probe], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["leftover"] == []
+    assert [n for n, _, _ in got["sent"]] == got["names"] and any(".experts.3." in n for n in got["names"])
+    assert {(d, t) for _, d, t in got["sent"]} == {("cpu", "torch.bfloat16")}
+
+
+def test_h200_on_cpu(tmp_path):
+    """--device cpu runs the layers check's code (Qwen3-30B-A3B's config at toy width, one update a row through
+    ulorl.update, the plan beside it) end to end through the check's own processes: its line and the summary,
+    exit 0. (The other checks' CPU runs take minutes: docs/gpu.md gives their command.)"""
+    proc = run([sys.executable, "tests/gpu/h200.py", "--device", "cpu", "--only", "qwen3_30b_layers", "--work",
+                str(tmp_path)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
+    assert [r["check"] for r in lines] == ["setup", "qwen3_30b_layers", "h200"]
+    layers = lines[1]
+    assert layers["status"] == "ok" and layers["layers"] == 1
+    assert sorted(map(int, layers["rows"])) == sorted(h200.SIZES["cpu"]["layer_rows"])
+    for tokens, row in layers["rows"].items():
+        assert row["optimizer_steps"] == 1 and sum(row["lengths"]) == int(tokens)
+        assert row["plan_total_mib"] >= sum(row["plan_mib"].values()) - len(row["plan_mib"])
+        assert {"weights", "AdamW moments", "activations", "lm_head chunks"} <= set(row["plan_mib"])
+    assert lines[2]["ok"] and lines[2]["failed"] == [] and lines[2]["device"] == "cpu"
