@@ -524,6 +524,8 @@ def part_fsdp(ctx: Ctx) -> dict:
     """fsdp_offload, in this torchrun rank (see the module's docstring)."""
     import collections
     import torch
+    import torch.distributed as dist
+    from safetensors import safe_open
     import distributed
     import model as model_lib
     import seqpar
@@ -567,7 +569,6 @@ def part_fsdp(ctx: Ctx) -> dict:
     sent = {name: str(t.device) for name, t in weight_sync.HFSource(lm, torch.bfloat16, want)}
     out["sync_s"] = round(time.time() - t0, 2)
     expected = str(want) if want is not None else "cpu"
-    from safetensors import safe_open
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     listing = os.path.join(ctx.work, "fsdp_offload_sync_tensors.json")
@@ -590,7 +591,6 @@ def part_fsdp(ctx: Ctx) -> dict:
         problems.append(f"the sync's names are not the checkpoint's: {sorted(set(sent) ^ keys)[:5]}")
     out["ok"] = not problems
     out["error"] = "; ".join(problems) or None
-    import torch.distributed as dist
     dist.destroy_process_group()
     return out
 
@@ -611,12 +611,18 @@ def tree_bytes() -> int:
 
 
 def budget(selected: list[Check]) -> dict:
-    """The dry run's accounting: planned seconds against the deadline, bytes against what may travel."""
-    tree, wheel = tree_bytes(), sum(w["bytes"] for w in wheels.status())
-    planned = SETUP_S + sum(c.planned_s for c in selected)
+    """The dry run's accounting: planned seconds against the deadline, bytes against what may travel (the
+    working tree, and the wheels' folder as it is, or the listed wheels' bytes before they are downloaded)."""
+    listed = sum(w["bytes"] for w in wheels.status(wheels.FOLDER))
+    if os.path.isdir(wheels.FOLDER):  # all of it travels, whatever else lies there
+        wheel = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(wheels.FOLDER) for f in files)
+    else:
+        wheel = listed
+    tree, planned = tree_bytes(), SETUP_S + sum(c.planned_s for c in selected)
     return {"budget": True, "setup_s": SETUP_S, "planned_s": planned, "deadline_s": DEADLINE_S,
-            "fits_time": planned <= DEADLINE_S, "tree_bytes": tree, "wheel_bytes": wheel, "total_bytes": tree + wheel,
-            "limit_bytes": TREE_LIMIT, "fits_size": tree + wheel <= TREE_LIMIT, "carry": ".whl"}
+            "fits_time": planned <= DEADLINE_S, "tree_bytes": tree, "wheels_listed_bytes": listed,
+            "wheel_bytes": wheel, "total_bytes": tree + wheel, "limit_bytes": TREE_LIMIT,
+            "fits_size": tree + wheel <= TREE_LIMIT, "carry": os.path.relpath(wheels.FOLDER, ROOT)}
 
 
 def dry_run(ctx: Ctx, selected: list[Check]) -> None:
@@ -630,7 +636,7 @@ def dry_run(ctx: Ctx, selected: list[Check]) -> None:
         if ctx.device == "cpu" and c.cpu:
             line["runs"], line["why"] = False, c.cpu
         print(json.dumps(line), flush=True)
-    for w in wheels.status():
+    for w in wheels.status(wheels.FOLDER):
         print(json.dumps(w), flush=True)
     print(json.dumps(budget(selected)), flush=True)
 
