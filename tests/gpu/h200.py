@@ -71,7 +71,7 @@ for path in (ROOT, HERE):  # the project's modules, and check.py / wheels.py bes
 import check  # noqa: E402  (tests/gpu/check.py: the kernel check, the MoE model and data, the run harness)
 import wheels  # noqa: E402
 
-BENCH = "bench.py"  # the benchmarks' entry point, as `python BENCH MODE ...` runs them (from the project's root)
+BENCH = "-m bench"  # the benchmarks' entry point, as `python BENCH MODE ...` runs them (from the project's root)
 DEADLINE_S = 480  # the whole check, start-up included, on a machine lent for ~11 minutes
 TREE_LIMIT = 64 * 2**20  # what travels to the GPU machine: the working tree and the carried wheels
 QWEN3_30B = os.path.join(ROOT, "tests", "configs", "Qwen3-30B-A3B")
@@ -305,8 +305,8 @@ def decode_commands(ctx: Ctx) -> list:
 
 def decode_run(ctx: Ctx, timeout: float) -> dict:
     if ctx.device != "cpu" and not bench_takes_device(ctx):
-        return {"skipped": True, "error": f"{BENCH} decode takes no --device: its transformers engine would time "
-                                          f"the CPU, not the GPU"}
+        return {"skipped": True, "error": f"python {BENCH} decode takes no --device: its transformers engine would "
+                                          f"time the CPU, not the GPU"}
     [(env, cmd)] = decode_commands(ctx)
     rec = run_json(cmd, env, timeout, os.path.join(ctx.work, "logs", "decode"), ("bench", "decode"))
     if rec.get("bench") != "decode":
@@ -632,7 +632,7 @@ def dry_run(ctx: Ctx, selected: list[Check]) -> None:
         if c.name == "decode" and ctx.device != "cpu":
             line["runs"] = bench_takes_device(ctx)
             if not line["runs"]:
-                line["why"] = f"{BENCH} decode takes no --device yet: skipped on the GPU until it does"
+                line["why"] = f"python {BENCH} decode takes no --device yet: skipped on the GPU until it does"
         if ctx.device == "cpu" and c.cpu:
             line["runs"], line["why"] = False, c.cpu
         print(json.dumps(line), flush=True)
