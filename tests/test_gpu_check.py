@@ -13,9 +13,9 @@ catches wrong ones; and the Hugging Face cache it builds resolves the hub name o
 The one-GPU check (tests/gpu/h200.py) without a GPU: its dry run lists every check with its commands and
 planned seconds within the deadline, and the working tree and wheels within what may travel; the wheels follow
 requirements.txt; the deadline skips, and a failing check's harness fails, as they should; weight_sync imports
-without vLLM; Qwen3-30B-A3B's shape is checked; and its layers check runs end to end at toy size on the CPU.
+without vLLM; Qwen3-30B-A3B's shape is checked; and its layers and FSDP checks run end to end at toy size on the CPU.
 
-    python -m pytest tests/test_gpu_check.py      # ~65 s on 2 cores (the one-GPU check's tests: ~25 s)
+    python -m pytest tests/test_gpu_check.py      # ~80 s on 2 cores (the one-GPU check's tests: ~40 s)
 """
 import importlib.util
 import json
@@ -705,19 +705,26 @@ def test_h200_weight_sync_without_vllm():
 
 
 def test_h200_on_cpu(tmp_path):
-    """--device cpu runs the layers check's code (Qwen3-30B-A3B's config at toy width, one update a row through
-    ulorl.update, the plan beside it) end to end through the check's own processes: its line and the summary,
-    exit 0. (The other checks' CPU runs take minutes: docs/gpu.md gives their command.)"""
-    proc = run([sys.executable, "tests/gpu/h200.py", "--device", "cpu", "--only", "qwen3_30b_layers", "--work",
-                str(tmp_path)], timeout=300)
+    """--device cpu runs two checks' code end to end through the check's own processes, at toy size: the layers
+    check (Qwen3-30B-A3B's config at toy width, one update a row through ulorl.update, the plan beside it) and
+    fsdp_offload (one FSDP2 rank under torchrun, gloo here: sharded loading of check.py's MoE with the optimizer
+    offloaded, one update, HFSource's tensors where the sender wants them, in the checkpoint's names); their
+    lines and the summary, exit 0. (The other checks' CPU runs take minutes: docs/gpu.md gives the command.)"""
+    proc = run([sys.executable, "tests/gpu/h200.py", "--device", "cpu", "--only", "qwen3_30b_layers,fsdp_offload",
+                "--work", str(tmp_path)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
-    assert [r["check"] for r in lines] == ["setup", "qwen3_30b_layers", "h200"]
-    layers = lines[1]
+    assert [r["check"] for r in lines] == ["setup", "fsdp_offload", "qwen3_30b_layers", "h200"]
+    _, fsdp, layers, summary = lines
+    assert fsdp["status"] == "ok" and fsdp["optimizer_steps"] == 1 and fsdp["weights_moved"] >= check.LR / 2
+    assert fsdp["shard_devices"] == {"cpu": sum(fsdp["shard_devices"].values())} and fsdp["off_device"] == []
+    assert fsdp["sent_devices"] == {"cpu": fsdp["sent_tensors"]} and fsdp["sent_tensors"] > 2 * check.MOE["num_experts"]
+    with open(fsdp["tensor_devices"]) as f:
+        assert len(json.load(f)) == fsdp["sent_tensors"]
     assert layers["status"] == "ok" and layers["layers"] == 1
     assert sorted(map(int, layers["rows"])) == sorted(h200.SIZES["cpu"]["layer_rows"])
     for tokens, row in layers["rows"].items():
         assert row["optimizer_steps"] == 1 and sum(row["lengths"]) == int(tokens)
         assert row["plan_total_mib"] >= sum(row["plan_mib"].values()) - len(row["plan_mib"])
         assert {"weights", "AdamW moments", "activations", "lm_head chunks"} <= set(row["plan_mib"])
-    assert lines[2]["ok"] and lines[2]["failed"] == [] and lines[2]["device"] == "cpu"
+    assert summary["ok"] and summary["failed"] == [] and summary["device"] == "cpu"
