@@ -35,10 +35,10 @@ def decode_model(spec: str, path: str) -> str:
     return path
 
 
-def decode_point(point: str, rows: list[int], tokens: int, rounds: int) -> dict:
+def decode_point(point: str, rows: list[int], tokens: int, rounds: int, device: str = "cpu") -> dict:
     """One engine on one model, in this process: {rows: seconds a decode step}. A step's cost is (time of a call
     decoding `tokens` tokens a row - time of one decoding 1) / (tokens - 1), so the prefill cancels; no stop
-    token ends a row early. The median of `rounds`."""
+    token ends a row early. The median of `rounds`. `device`: the transformers engine's (vLLM picks its own)."""
     kind, path = point.split(":", 1)
     if kind == "vllm":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -54,7 +54,7 @@ def decode_point(point: str, rows: list[int], tokens: int, rounds: int) -> dict:
     else:
         from engine import HFEngine, Sampling
         import model as model_lib
-        lm, tok = model_lib.load(path)
+        lm, tok = model_lib.load(path, device=device)
         eng = HFEngine(lm, [], tok.pad_token_id, seed=0)  # no stop id: every row decodes its whole budget
 
         def call(n, t):
@@ -82,6 +82,7 @@ def bench_decode(args, _unused: list[str]) -> dict:
     os.makedirs(work, exist_ok=True)
     rows = [int(n) for n in args.rows.split(",")]
     engines = [e for e in ("hf", "vllm") if e == "hf" or importlib.util.find_spec("vllm") is not None]
+    engines = engines if args.device == "cpu" else ["hf"]  # vLLM on CPU is the CPU build; off it, another machine
     print(f"decode bench in {work}: models {args.models}, engines {engines}, rows {rows}, {args.tokens} tokens a "
           f"call, median of {args.rounds}, torch threads {torch.get_num_threads()}", flush=True)
     results = {}
@@ -90,7 +91,7 @@ def bench_decode(args, _unused: list[str]) -> dict:
         params = sum(p.numel() for p in __import__("model").load(path)[0].parameters())
         for kind in engines:
             proc = point_process(["decode", "--point", f"{kind}:{path}", "--rows", args.rows, "--tokens",
-                                  str(args.tokens), "--rounds", str(args.rounds)], capture_output=True, timeout=1800)
+                                  str(args.tokens), "--rounds", str(args.rounds), "--device", args.device], capture_output=True, timeout=1800)
             if proc.returncode:
                 raise RuntimeError(f"decode point {kind}:{spec} failed: {proc.stderr[-2000:]}")
             got = {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
@@ -131,8 +132,9 @@ def add_parser(sub) -> None:
     d.add_argument("--rows", default=DECODE_ROWS, help="comma-separated busy-row counts")
     d.add_argument("--tokens", type=int, default=17, help="tokens a row decodes a call (16 decode steps)")
     d.add_argument("--rounds", type=int, default=3, help="repeats of each point (the median is reported)")
+    d.add_argument("--device", default="cpu", help="the transformers engine's torch device (cuda: the GPU regime)")
     d.add_argument("--figure", default="", help="write the curves to this PNG")
     d.add_argument("--dir", default="", help="working directory for the models (default: a fresh temporary one)")
     d.add_argument("--point", default="", help=argparse.SUPPRESS)  # internal: one engine and model, this process
     d.set_defaults(run=bench_decode, point_run=lambda a: decode_point(a.point, [int(n) for n in a.rows.split(",")],
-                                                                       a.tokens, a.rounds))
+                                                                       a.tokens, a.rounds, a.device))

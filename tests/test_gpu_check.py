@@ -610,8 +610,6 @@ def test_h200_dry_run():
     [(_, decode)] = commands["decode"]
     rows = [int(n) for n in decode[decode.index("--rows") + 1].split(",")]
     assert rows[0] == 1 and rows[-1] == 256 and decode[decode.index("--device") + 1] == "cuda"
-    [decode_line] = [r for r in checks if r["check"] == "decode"]
-    assert decode_line["runs"] or "--device" in decode_line["why"], "skipped on the GPU only for want of --device"
     assert [w["wheel"] for w in wheel_lines] == [w[0] for w in h200.wheels.WHEELS]
     assert budget["wheels_listed_bytes"] == sum(w["bytes"] for w in wheel_lines) < 2**20
     if os.path.isdir(h200.wheels.FOLDER):  # all of the folder travels, the listed wheels among it

@@ -61,12 +61,12 @@ def test_overlap_needs_an_engine_of_its_own(capsys):
     with pytest.raises(SystemExit):
         config.parse_config(["--overlap", "2"])
     assert "--overlap 2: must be 0 (off) or 1" in capsys.readouterr().err
-    import train as train_lib
+    import placement
     with pytest.raises(ValueError, match="overlap needs an engine in a process of its own: --engine vllm"):
-        train_lib.check_overlap(config.parse_config(["--overlap", "1", "--engine", "hf"]))
+        placement.check_overlap(config.parse_config(["--overlap", "1", "--engine", "hf"]))
     with pytest.raises(ValueError, match="use --overlap 0 with a generative verifier"):
-        train_lib.check_overlap(config.parse_config(["--overlap", "1", "--engine", "vllm", "--verifier-model", "j"]))
+        placement.check_overlap(config.parse_config(["--overlap", "1", "--engine", "vllm", "--verifier-model", "j"]))
     gpu = config.parse_config(["--overlap", "1", "--engine", "vllm"])
     gpu.device = "cuda"
     with pytest.raises(ValueError, match="give it GPUs of its own with --rollout-gpus"):
-        train_lib.check_overlap(gpu)
+        placement.check_overlap(gpu)

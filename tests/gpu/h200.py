@@ -40,7 +40,7 @@ The checks, in the order they run (planned seconds on one H200, start-up include
                     (the plan counts no FlashAttention backward workspace); the headline's plan beside it
   decode            the decode-step cost against busy rows 1-256 for a random 1.4B dense Qwen3 (2048 x 28,
                     Qwen3-1.7B's width and depth) with the transformers engine: the benchmarks' decode mode
-                    (BENCH), when it can run its model on the GPU (--device); else skipped, saying why
+                    (BENCH) with --device cuda
   segments          the benchmarks' segments mode on the tiny task's long tail, 1 / 2 / 4 segments, on a random
                     150M dense Qwen3 on the GPU (bf16, transformers engine), not 1-3B: every chunk of that
                     benchmark ends in a checkpoint of 14 bytes a parameter (bf16 weights, fp32 masters and AdamW
@@ -287,26 +287,12 @@ def part_run(name: str, commands, ctx: Ctx, timeout: float) -> dict:
     return rec
 
 
-def bench_takes_device(ctx: Ctx) -> bool:
-    """Whether the benchmarks' decode mode takes --device: without it, its transformers engine runs on the CPU."""
-    try:
-        proc = subprocess.run(ctx.bench("decode", "--help"), cwd=ROOT, env={**os.environ, **base_env(ctx)},
-                              capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        return False
-    return "--device" in proc.stdout
-
-
 def decode_commands(ctx: Ctx) -> list:
-    device = ["--device", ctx.device] if ctx.device != "cpu" else []  # on the CPU it runs as it always has
     return [(base_env(ctx), ctx.bench("decode", *ctx.size["decode"], "--dir", os.path.join(ctx.work, "decode"),
-                                      *device))]
+                                      "--device", ctx.device))]
 
 
 def decode_run(ctx: Ctx, timeout: float) -> dict:
-    if ctx.device != "cpu" and not bench_takes_device(ctx):
-        return {"skipped": True, "error": f"python {BENCH} decode takes no --device: its transformers engine would "
-                                          f"time the CPU, not the GPU"}
     [(env, cmd)] = decode_commands(ctx)
     rec = run_json(cmd, env, timeout, os.path.join(ctx.work, "logs", "decode"), ("bench", "decode"))
     if rec.get("bench") != "decode":
@@ -631,10 +617,6 @@ def dry_run(ctx: Ctx, selected: list[Check]) -> None:
     for c in selected:
         line = {"check": c.name, "planned_s": c.planned_s,
                 "commands": [check.shell_line(env, cmd) for env, cmd in c.commands(ctx)]}
-        if c.name == "decode" and ctx.device != "cpu":
-            line["runs"] = bench_takes_device(ctx)
-            if not line["runs"]:
-                line["why"] = f"python {BENCH} decode takes no --device yet: skipped on the GPU until it does"
         if ctx.device == "cpu" and c.cpu:
             line["runs"], line["why"] = False, c.cpu
         print(json.dumps(line), flush=True)
