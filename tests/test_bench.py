@@ -10,6 +10,8 @@ import os
 import random
 import sys
 
+import pytest
+
 from conftest import run
 
 
@@ -27,6 +29,7 @@ def last_json(p) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_segments(tmp_path):
     # 2 variants, 1 warm-up step and 1 measured round of 1 step each; extra flags go to train.py
     p = run_bench("segments", "--segments", "1,2,2u", "--warmup", "1", "--rounds", "1", "--chunk", "1",
@@ -129,12 +132,14 @@ def test_gpu_table_reproduces_its_parts(monkeypatch):
     assert key[12.0, 64, True]["speedup"][1] > key[0.0, 1, True]["speedup"][1]
 
 
+@pytest.mark.slow
 def test_gpu():
     r = last_json(run_bench("gpu", "--segments", "1,2", "--steps", "1"))
     assert r["bench"] == "gpu" and r["segments"] == [1, 2] and len(r["by_replicas"]) == 8
     assert r["speedup_2"][0] <= r["speedup_2"][1] and r["step_s_first"][0] > 0, r
 
 
+@pytest.mark.slow
 def test_memory():
     p = run_bench("memory", "--sizes", "256", "--vocab", "1000", "--hidden", "16", "--chunk", "32,64")
     r = last_json(p)
@@ -142,12 +147,14 @@ def test_memory():
     assert all(isinstance(x[0], (int, float)) for x in r["peak_mb"].values()), r
 
 
+@pytest.mark.slow
 def test_sp():
     r = last_json(run_bench("sp", "--lengths", "64,128", "--rounds", "1"))
     assert r["bench"] == "sp" and [row["tokens"] for row in r["rows"]] == [64, 128]
     assert all(row["sp1_s"] > 0 and row["sp2_s"] > 0 for row in r["rows"]), r
 
 
+@pytest.mark.slow
 def test_decode(tmp_path):
     """Both engines on one tiny shape, each in its own process: a step's cost for every row count, and the figure
     written."""
@@ -190,6 +197,7 @@ def test_enforced_lengths_through_a_real_engine(tok, lm):
         assert segments == 1 or any(n - 4 > 24 // segments for n in trained)  # some took several segments
 
 
+@pytest.mark.slow
 def test_scale():
     """The scale mode at a trivial size, the transformers engine alone: every variant measured for every step,
     its samples all trained, its decode steps no more than the variant's segment length allows."""
@@ -200,6 +208,7 @@ def test_scale():
     assert all(0 < rows <= 4 for rows in x["rows_per_step"]) and all(n > 0 for n in x["decode_steps"]), r
 
 
+@pytest.mark.slow
 def test_routing():
     """Replay takes every decision from the engine, also where the trainer's own router picks others (the deeper
     model in bf16 has such decisions at this size, so the check is not empty); fp32, the control, routes as the
@@ -217,6 +226,7 @@ def test_routing():
     assert r["rows"][3]["mismatch"] > 0, r["rows"][3]
 
 
+@pytest.mark.slow
 def test_trl(tmp_path):
     if importlib.util.find_spec("trl") is None:  # an optional dependency: the mode says how to get it
         p = run_bench("trl", "--dir", str(tmp_path), timeout=60)
@@ -229,6 +239,7 @@ def test_trl(tmp_path):
     assert all(n == 1 for n in r["steps_measured"]), r
 
 
+@pytest.mark.slow
 def test_reward():
     """The pool and the loop score the same pairs alike (the mode asserts it) and both take time."""
     r = last_json(run_bench("reward", "--n", "20", "--workers", "1"))
@@ -236,6 +247,7 @@ def test_reward():
     assert r["loop_s"] > 0 and r["pool_warm_s"] > 0 and 0 < r["accuracy_of_pairs"] < 1, r
 
 
+@pytest.mark.slow
 def test_plan_load():
     """The memory plan's loading measurement under torchrun, as docs/memory.md runs it: one JSON line a rank."""
     p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bench",

@@ -219,6 +219,7 @@ def test_draw_order_seeds_differ_and_edge_cases():
 
 # ---- Reasoning Gym rows and weighted mixtures
 
+@pytest.mark.slow
 def test_rg_rows_are_generated_locally_and_score_their_own_answers():
     import verifiers
     rows = data.rg_rows("rg:chain_sum:5", seed=0)
@@ -234,6 +235,7 @@ def test_rg_rows_are_generated_locally_and_score_their_own_answers():
     assert len(data.rg_rows("rg:chain_sum", seed=0, size=7)) == 7
 
 
+@pytest.mark.slow
 def test_a_dataset_whose_scorer_fails_its_own_answer_is_refused_by_name():
     with pytest.raises(ValueError, match=r"rg:arc_agi: this dataset is not supported.*own answer 0\.05, not 1\.0"):
         data.rg_rows("rg:arc_agi:2", seed=0)
@@ -293,6 +295,7 @@ def test_long_answer():
     assert clean.long_answer("x" * 64, 64) is None
 
 
+@pytest.mark.slow
 def test_clean_cli_with_the_tiny_model(tmp_path, capsys):
     """The real CLI on the tiny model: problems it always solves go, wrong references that the models'
     majority contradicts go, and the report says why for every dropped row."""

@@ -68,6 +68,7 @@ def test_booleans_take_the_usual_spellings():
         assert config.parse_config(["--pack", text]).pack is value
 
 
+@pytest.mark.slow
 def test_a_wrong_flag_stops_before_anything_loads():
     """The real entry point: an exit within seconds (the imports), no traceback, no model or data loaded."""
     start = time.time()
@@ -96,6 +97,7 @@ def first_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_a_used_folder_is_refused_and_left_as_it_was(first_run, tmp_path):
     out = tmp_path / "used"
     shutil.copytree(first_run, out)
@@ -107,6 +109,7 @@ def test_a_used_folder_is_refused_and_left_as_it_was(first_run, tmp_path):
     assert digest(out) == before  # nothing of the first run changed
 
 
+@pytest.mark.slow
 def test_overwrite_starts_again_and_says_what_it_deleted(first_run, tmp_path):
     out = tmp_path / "again"
     shutil.copytree(first_run, out)
@@ -118,6 +121,7 @@ def test_overwrite_starts_again_and_says_what_it_deleted(first_run, tmp_path):
         assert [json.loads(line)["step"] for line in f] == [0, 1]
 
 
+@pytest.mark.slow
 def test_resume_auto_with_every_checkpoint_damaged_stops_with_the_reasons(first_run, tmp_path):
     out = tmp_path / "damaged"
     shutil.copytree(first_run, out)
@@ -142,6 +146,7 @@ def test_resume_auto_in_an_empty_folder_starts_fresh_and_metrics_without_checkpo
         outdir.find_resume("auto", str(tmp_path / "died"))
 
 
+@pytest.mark.slow
 def test_resume_from_another_folder_into_a_used_one_is_refused(first_run, tmp_path):
     out = tmp_path / "other"
     shutil.copytree(first_run, out)

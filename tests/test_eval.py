@@ -166,6 +166,7 @@ def test_presets_and_overrides():
 
 # ------------------------------------------------------------------------------------------ entry point
 
+@pytest.mark.slow
 def test_eval_script_writes_the_report(tmp_path):
     report = tmp_path / "report.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")

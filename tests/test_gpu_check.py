@@ -273,6 +273,7 @@ ACCEPTS = """if True:
 """
 
 
+@pytest.mark.slow
 def test_train_accepts_the_commands(tmp_path):
     """Every kind of run the check starts (colocated, split, fsdp packed, fsdp with SP 2 and the optimizer
     offloaded, the routing pair, the overlap run with one engine and with two replicas) passes train.py's checks
@@ -472,6 +473,7 @@ def test_kernel_comparison_on_cpu():
     assert len(check.disagreements(nan, "nan")) == 1
 
 
+@pytest.mark.slow
 def test_kernel_check_without_a_gpu():
     """--kernel on a machine without a GPU prints its record, not ok, and exits 1 (as the whole check does)."""
     proc = run(["bash", "tests/gpu/check.sh", "--kernel"], timeout=120)
@@ -485,6 +487,7 @@ def test_dry_run_needs_gpus():
     assert proc.returncode != 0 and "--gpus" in proc.stderr
 
 
+@pytest.mark.slow
 def test_hub_cache_resolves_offline(tmp_path):
     """The cache the check builds holds the MoE model under its hub name: transformers, huggingface_hub and
     (when installed) vLLM find it with HF_HUB_OFFLINE=1, with 64 experts, top-8 routing and YaRN-able positions."""
@@ -519,6 +522,7 @@ def test_hub_cache_resolves_offline(tmp_path):
     assert got["eos"] == got["tokenizer_eos"]
 
 
+@pytest.mark.slow
 def test_runs_are_watched_and_killed(tmp_path):
     """execute: the seconds to a run's first step record, the stderr tail of a failed run, and a run past its
     time limit killed with what it started (stand-ins for train.py, which the check runs with cwd the project)."""
@@ -680,6 +684,7 @@ def test_h200_deadline(capsys):
     assert not summary["ok"] and summary["failed"] == ["c", "e"] and summary["skipped"] == ["b", "d"]
 
 
+@pytest.mark.slow
 def test_h200_weight_sync_without_vllm():
     """Where vLLM is missing (the one-GPU machine), weight_sync still imports, with stand-ins for vLLM's types
     that then leave sys.modules, and HFSource gives the checkpoint's names, each tensor where it is asked to be."""
@@ -702,6 +707,7 @@ def test_h200_weight_sync_without_vllm():
     assert {(d, t) for _, d, t in got["sent"]} == {("cpu", "torch.bfloat16")}
 
 
+@pytest.mark.slow
 def test_h200_on_cpu(tmp_path):
     """--device cpu runs two checks' code end to end through the check's own processes, at toy size: the layers
     check (Qwen3-30B-A3B's config at toy width, one update a row through ulorl.update, the plan beside it) and

@@ -377,6 +377,15 @@ def test_mpt_mask_padding_entropy_does_not_count():
     assert torch.equal(keep, torch.tensor([[False, False, True, True, True, True, True, True]]))
 
 
+def test_mpt_mask_judges_entropy_per_sample_not_per_token():
+    # a positive sample, every token mastered, mean entropy (0.05 + 0.05 + 0.35) / 3 = 0.15 < 0.2: all three are
+    # masked, the one whose own entropy is 0.35 too; with mean 0.25 (>= 0.2) none is, the 0.05 ones neither
+    logprobs = torch.full((2, 3), LOG_HI, dtype=torch.float64)
+    entropy = torch.tensor([[0.05, 0.05, 0.35], [0.05, 0.05, 0.65]], dtype=torch.float64)
+    keep = mpt_mask(logprobs, entropy, torch.tensor([1.0, 1.0]), torch.ones(2, 3), tau=0.99, sigma=0.2)
+    assert torch.equal(keep, torch.tensor([[False, False, False], [True, True, True]]))
+
+
 def test_mpt_mask_thresholds_inclusive_tau_strict_sigma():
     # probability exactly tau counts as mastered (>=): logprob 0 is probability exactly 1.0, tau = 1.0
     lp = torch.tensor([[0.0, math.log(0.999)]], dtype=torch.float64)

@@ -78,6 +78,7 @@ def test_placement_refusals_and_explicit_gpus(capsys):
     assert engine_placement(gpu_cfg("--rollout-gpus", "6,7"), 0, 6, 32, 4, vllm=True) == ([6, 7], 2)  # a plan, no GPUs
 
 
+@pytest.mark.slow
 def test_a_hub_name_takes_ulorl_settings_and_a_local_directory_the_tiny_ones(tmp_path):
     hub = parse_config(["--model", "Qwen/Qwen3-30B-A3B", "--data", "train.parquet", "--plan"])
     assert (hub.preset, hub.lr, hub.max_response_len, hub.dtype) == ("ulorl", 1e-6, 131072, "bfloat16")
@@ -91,6 +92,7 @@ def test_a_hub_name_takes_ulorl_settings_and_a_local_directory_the_tiny_ones(tmp
     assert "--preset prorl" in refused.stderr
 
 
+@pytest.mark.slow
 def test_the_ulorl_preset_reaches_its_context_and_a_short_model_is_an_error(tmp_path):
     env = dict(os.environ, **hub_cache(tmp_path, "Qwen/Qwen3-30B-A3B", QWEN3_30B), WORLD_SIZE="6")
     cfg = parse_config(["--preset", "ulorl", "--data", "x.jsonl", "--plan"])
@@ -133,6 +135,7 @@ def test_engine_memory_follows_the_placement():
     assert fraction == int((0.95 - state / H200) * 100) / 100 and 0.5 < fraction < 0.95
 
 
+@pytest.mark.slow
 def test_a_plan_for_a_target_gpu_from_any_machine(tmp_path):
     """--device-memory (decimal GB, as vendors state it) gives the verdict a machine without the GPU cannot. The
     ulorl preset leaves --sp and --offload-optimizer at auto, and the plan picks: on 8 H200s (6 trainer ranks),
@@ -183,6 +186,7 @@ def test_the_plan_chooses_the_least_that_fits():
     assert off.trainer["AdamW moments"] == 0 and off.host["offloaded optimizer state"] == 4 * sp2.trainer["weights"]
 
 
+@pytest.mark.slow
 def test_routing_replay_at_the_papers_scale(tmp_path):
     """--routing-replay on Qwen3-30B-A3B (48 MoE layers, top-8 of 128 experts) under the ulorl preset, by hand:
     rank 0's host keeps 48 x 8 x 1 byte = 384 bytes a token (uint8 ids) of the 1024 samples in flight at 133120

@@ -60,6 +60,7 @@ def test_two_runs_into_out_dir(tmp_path):
     check_pngs(written)
 
 
+@pytest.mark.slow
 def test_script_writes_into_first_run_dir(tmp_path):
     write_run(str(tmp_path / "run_a"), seed=0)
     write_run(str(tmp_path / "run_b"), seed=1)
@@ -116,6 +117,7 @@ def test_missing_metrics_file_says_so(tmp_path):
         plot.read_metrics(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_mixed_domains_get_a_reward_curve_each(tmp_path):
     write_run(str(tmp_path / "mixed"), seed=0)
     path = tmp_path / "mixed" / "metrics.jsonl"

@@ -170,6 +170,7 @@ def test_score_batch_lambda_verifier_is_a_config_error(monkeypatch):
         score_batch([("lambda", "x", "y")])
 
 
+@pytest.mark.slow
 def test_score_batch_counts_errors(monkeypatch):
     monkeypatch.setitem(reward.VERIFIERS, "boom", _boom)
     items = [("tiny", "1:1", "1"), ("boom", "x", "y"), ("tiny", "1:2", "2"), ("boom", "z", "y")]
@@ -179,6 +180,7 @@ def test_score_batch_counts_errors(monkeypatch):
     assert metrics == {"reward/timeouts": 0, "reward/errors": 2}
 
 
+@pytest.mark.slow
 def test_score_batch_survives_a_dying_worker(monkeypatch):
     monkeypatch.setitem(reward.VERIFIERS, "die", _die)
     items = [("tiny", "1:1", "1"), ("die", "x", "y"), ("tiny", "1:2", "2"), ("tiny", "1:2", "3")]
@@ -188,6 +190,7 @@ def test_score_batch_survives_a_dying_worker(monkeypatch):
     assert metrics == {"reward/timeouts": 0, "reward/errors": 1}
 
 
+@pytest.mark.slow
 def test_score_batch_kills_hanging_check_and_recovers(monkeypatch):
     monkeypatch.setitem(reward.VERIFIERS, "hang", _hang)
     score_batch([("tiny", "1:1", "1")] * 2, workers=2)  # start the pool outside the timed part
@@ -206,6 +209,7 @@ def test_score_batch_kills_hanging_check_and_recovers(monkeypatch):
     assert len(workers.POOL) == 2 and all(w.proc.is_alive() for w in workers.POOL)
 
 
+@pytest.mark.slow
 def test_batch_timeout_bounds_the_whole_batch(monkeypatch):
     """6 hanging checks among 10 good ones, 2 workers, 5 s per check: alone, the hanging checks queue behind
     each other (3 rounds of 5 s on 2 workers, ~15-25 s). With batch_timeout 6 s the call returns after ~6 s;
@@ -321,6 +325,7 @@ ADVERSARIAL = [
 ]
 
 
+@pytest.mark.slow
 def test_adversarial_answers_score_zero_in_time_and_the_pool_survives():
     score_batch([("tiny", "1:1", "1")] * 2, workers=2)  # start the pool outside the timed part
     items = [("math", r, "10") for r in ADVERSARIAL] + [("math", rf"\boxed{{{i}}}", str(i)) for i in range(20)]
@@ -347,6 +352,7 @@ def test_rg_extract(text, expected):
     assert verifiers.rg_extract(text) == expected
 
 
+@pytest.mark.slow
 def test_rg_reward_uses_the_library_scorer():
     import data
     row = data.rg_rows("rg:spell_backward:3", seed=0)[0]
@@ -361,6 +367,7 @@ def test_rg_reward_uses_the_library_scorer():
     assert scores == [1.0, 0.0] and metrics == {"reward/timeouts": 0, "reward/errors": 0}
 
 
+@pytest.mark.slow
 def test_reasoning_gym_answers_run_no_code(tmp_path):
     """About nine Reasoning Gym scorers eval the answer (spiral_matrix) or parse it with sympy (countdown), which
     evals too. Scored as the trainer scores, as root with secrets in its environment, an answer wrote the
@@ -530,6 +537,7 @@ def judges(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_judge_through_the_engine(judges):
     items = [("What is 3+4?", "7", "7"), ("Length?", "27 cm", "0.27 m"), ("q", None, "1"), ("q", " ", "1"),
              ("q", "9" * 2000, "1")]
@@ -608,6 +616,7 @@ def math_verify_cases(tmp_dir) -> list[tuple[str, str, int]]:
     return cases
 
 
+@pytest.mark.slow
 def test_math_verifier_agrees_with_math_verify_cases(tmp_path):
     """The math verifier scores each case's prediction (as a response) against its gold answer (as the
     reference): it must agree with the expected verdict at least as often as math-verify alone does
@@ -624,6 +633,7 @@ def test_math_verifier_agrees_with_math_verify_cases(tmp_path):
     assert ours >= alone
 
 
+@pytest.mark.slow
 def test_public_functions_work_from_a_script_without_a_main_guard(tmp_path):
     """A plain script (a file, not `python -c`) that calls the reward functions at its top level: the pool's
     workers must not run it again."""
@@ -639,6 +649,7 @@ def test_public_functions_work_from_a_script_without_a_main_guard(tmp_path):
     assert proc.stdout.splitlines() == ["math_equal True", "math_reward 1.0", "score_batch [1.0, 1.0]"]
 
 
+@pytest.mark.slow
 def test_a_math_bomb_hits_the_workers_memory_cap_not_the_machine():
     """A tower of powers in a boxed answer makes the parser grow without bound until the check's timeout;
     under the workers' RLIMIT_AS it fails fast with a MemoryError instead, scored 0. A fresh process,

@@ -41,6 +41,7 @@ def fake_checkpoint(path, big_mib: int = 0, extra: str = ""):
     checkpoint.write_manifest(path, "run-1", 1, digests)
 
 
+@pytest.mark.slow
 def test_a_flipped_bit_in_a_large_file_is_caught(tmp_path):
     path = str(tmp_path / "step_000001")
     fake_checkpoint(path, big_mib=65)  # more than the 64 MiB up to which files used to be hashed
@@ -80,6 +81,7 @@ def test_verification_needs_every_file_listed_with_its_digest(tmp_path):
     assert outdir.problem(path) == "config.json.tmp is not in the manifest"
 
 
+@pytest.mark.slow
 def test_links_inside_out_are_refused_and_nothing_is_written_through_them(tmp_path):
     """A `.lock` link made a root run overwrite its target; dangling metrics.jsonl / samples.jsonl links made
     the run create files (holding the data's answers) outside --out."""
@@ -121,6 +123,7 @@ def test_a_resaved_step_is_complete_at_every_instant(tmp_path, monkeypatch):
     assert "again" in open(os.path.join(path, "config.json")).read() and outdir.problem(path) is None
 
 
+@pytest.mark.slow
 def test_a_second_run_on_the_same_out_is_refused(tmp_path):
     out = tmp_path / "out"
     first = start([sys.executable, "train.py", *RUN, "--steps", "200", "--save-every", "1", "--out", str(out)],
@@ -154,6 +157,7 @@ def in_a_small_mount(tmp_path, options: str, *args):
     return run(["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd], timeout=300, env=ENV)
 
 
+@pytest.mark.slow
 def test_a_full_disk_says_what_failed_and_what_is_safe(tmp_path):
     # 2 MiB holds the logs but not a checkpoint of the tiny model (3 MB of weights, twice that of AdamW)
     p = in_a_small_mount(tmp_path, "size=2m", "--steps", "1")
@@ -162,6 +166,7 @@ def test_a_full_disk_says_what_failed_and_what_is_safe(tmp_path):
     assert "no checkpoint of this run was complete yet" in p.stderr
 
 
+@pytest.mark.slow
 def test_a_full_disk_in_the_optimizer_state_says_the_same(tmp_path):
     # 5 MiB holds the weights (3.2 MB) but not the optimizer state (6.4 MB): torch.save's writer, which wrapped
     # the refused write in a RuntimeError traceback
@@ -171,6 +176,7 @@ def test_a_full_disk_in_the_optimizer_state_says_the_same(tmp_path):
     assert "trainer_state_rank0.pt" in p.stderr
 
 
+@pytest.mark.slow
 def test_a_read_only_out_says_so(tmp_path):
     p = in_a_small_mount(tmp_path, "ro", "--steps", "1")
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]

@@ -38,6 +38,7 @@ def test_extract_code_takes_the_last_block():
     assert extract_code("print(4) without a fence") is None
 
 
+@pytest.mark.slow
 def test_correct_code_scores_one_and_partial_code_a_fraction():
     assert code_reward(fenced("print(int(input()) + 1)"), ADD_ONE) == 1.0
     # right on positive inputs only: 2 of 3 tests
@@ -53,6 +54,7 @@ def test_bad_answer_is_a_clear_error():
         code_reward(fenced("pass"), json.dumps({"inputs": ["1"], "outputs": []}))
 
 
+@pytest.mark.slow
 def test_infinite_loop_is_killed_with_its_process():
     start = time.monotonic()
     r = run_program("while True: pass", timeout=1.0)
@@ -61,18 +63,21 @@ def test_infinite_loop_is_killed_with_its_process():
     assert code_reward(fenced("while True: pass\nprint('ok')"), ONE_TEST) == 0.0
 
 
+@pytest.mark.slow
 def test_sleeping_forever_is_killed_on_the_wall_clock():
     start = time.monotonic()  # sleeping uses no CPU time: only the wall-clock timeout catches it
     assert code_reward(fenced("import time\ntime.sleep(1000)\nprint('ok')"), ONE_TEST) == 0.0
     assert time.monotonic() - start < 3.0
 
 
+@pytest.mark.slow
 def test_allocating_10_gb_fails_inside_the_sandbox():
     assert code_reward(fenced("x = bytearray(10 * 2**30)\nprint('ok')"), ONE_TEST) == 0.0
     r = run_program("x = bytearray(10 * 2**30)")
     assert r.status == "error"
 
 
+@pytest.mark.slow
 def test_fork_bomb_cannot_fork_and_the_trainer_still_can():
     bomb = "import os\nwhile True:\n    os.fork()"
     assert code_reward(fenced(bomb + "\nprint('ok')"), ONE_TEST) == 0.0
@@ -142,6 +147,7 @@ def test_no_network_connection_reaches_a_local_listener():
             conn.close()
 
 
+@pytest.mark.slow
 def test_code_verifier_runs_in_the_reward_workers():
     items = [("code", fenced("print(int(input()) + 1)"), ADD_ONE), ("code", fenced("while True: pass"), ONE_TEST),
              ("code", fenced("import os\nwhile True: os.fork()"), ONE_TEST), ("code", "no code", ADD_ONE),
@@ -164,6 +170,7 @@ def sandboxed_pids() -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_program_dies_with_a_reward_worker_killed_for_its_timeout():
     # the test's own timeout (30 s) outlasts the check's (1 s): the pool kills the worker, and the kernel
     # must kill the program with it (PR_SET_PDEATHSIG), or it would sleep on after the step
@@ -221,6 +228,7 @@ def run_at_once(programs: list[str], timeout: float = 10.0) -> list:
         return [f.result() for f in futures]
 
 
+@pytest.mark.slow
 def test_concurrent_programs_can_neither_see_nor_kill_each_other():
     """The victim sleeps while the attacker reads every /proc entry it can find and then kills every process
     it may signal. Both print the wall clock (shared by all namespaces) at start and end: the test checks that
@@ -409,6 +417,7 @@ def test_the_sandbox_works_under_the_trainers_umask():
     assert p.returncode == 0 and p.stdout == "None 42\n", p.stdout + p.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_run_with_code_rows_starts(tmp_path):
     """train.py checks, before training, that code can run isolated (in the trainer, under its umask)."""
     rows = tmp_path / "code.jsonl"

@@ -42,6 +42,7 @@ def records(path):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_help_lists_contract_flags():
     p = run_train("--help", timeout=60)
     assert p.returncode == 0
@@ -49,6 +50,7 @@ def test_help_lists_contract_flags():
         assert flag in p.stdout, flag
 
 
+@pytest.mark.slow
 def test_metrics_contract(short_run):
     out, p = short_run
     recs = records(out / "metrics.jsonl")
@@ -71,6 +73,7 @@ def test_metrics_contract(short_run):
         ["0", "1", "2", "3"]
 
 
+@pytest.mark.slow
 def test_eval_every_0_never_evaluates(tmp_path):
     p = run_train("--steps", "1", "--eval-every", "0", "--train-groups", "2", "--prompts-per-step", "2",
                   "--dump-samples", "0", "--out", str(tmp_path), timeout=120)
@@ -82,6 +85,7 @@ def test_eval_every_0_never_evaluates(tmp_path):
         config.parse_config(["--ref-reset-on-stall", "2", "--eval-every", "0", "--kl-coef", "0.1"])
 
 
+@pytest.mark.slow
 def test_samples_contract(short_run):
     out, _ = short_run
     samples = records(out / "samples.jsonl")
@@ -100,6 +104,7 @@ def test_samples_contract(short_run):
     assert any(len(s["versions"]) > 1 for s in samples), "no sample spanned several segments"
 
 
+@pytest.mark.slow
 def test_checkpoint_loads_with_transformers(short_run):
     from transformers import AutoModelForCausalLM
     out, _ = short_run
@@ -112,6 +117,7 @@ def test_checkpoint_loads_with_transformers(short_run):
     assert os.path.exists(out / "step_000003" / "reference" / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_bad_dataset_row_names_file_row_and_field(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
@@ -156,6 +162,7 @@ def test_a_hub_name_loads_from_the_local_cache_offline(tmp_path):
     assert "--model ulorl-test/not-there: neither a local directory nor a model" in p.stderr
 
 
+@pytest.mark.slow
 def test_an_engine_that_disagrees_with_the_trainer_stops_the_run(tmp_path):
     """An engine/trainer KL past --max-engine-kl stops the run before its update, naming it (here a threshold
     below the fp32 noise of a correct engine, ~1e-13, stands in for a broken one); warn trains on."""
@@ -198,6 +205,7 @@ def test_report_to_tensorboard_and_wandb_offline(tmp_path):
     assert p.returncode == 2 and "--report-to mlflow: must be none, tensorboard, wandb" in p.stderr
 
 
+@pytest.mark.slow
 def test_tois_trains_only_tokens_of_the_weights_being_updated(tmp_path):
     """--is-mode tois: pi_old is the engine's log-prob only where the current weights sampled; a surplus ready
     group kept for the next step would train one version behind. Every step's staleness is 0, and the surplus

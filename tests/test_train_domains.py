@@ -9,12 +9,15 @@ import json
 import os
 import sys
 
+import pytest
+
 from conftest import run
 import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_mixed_math_and_reasoning_gym_run(tmp_path):
     math_file = tmp_path / "math.jsonl"  # no verifier column: --default-verifier (math) applies
     math_file.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n"
@@ -45,6 +48,7 @@ def test_mixed_math_and_reasoning_gym_run(tmp_path):
         assert s["reward"] == float(last == right and s["finish"] == "eos"), s
 
 
+@pytest.mark.slow
 def test_prompts_all_too_long_stop_with_a_message(tmp_path):
     """Reasoning Gym prompts are longer than the tiny default's --max-prompt-len 64: the run must say so,
     not skip prompts forever."""

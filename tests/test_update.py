@@ -6,6 +6,7 @@ three policy versions, the ratio metrics, a NaN loss skipped, and ProRL's refere
 import copy
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -296,3 +297,37 @@ def test_lr_factor_warms_up_then_follows_the_cosine_to_lr_final():
     assert {ulorl.lr_factor(u, constant) for u in range(12)} == {1.0}
     for preset in ("ulorl", "prorl"):  # both papers train at a constant learning rate
         assert config.PRESETS[preset]["lr_final"] == 1.0
+
+
+def test_dynamic_sampling_drops_exactly_the_groups_whose_rewards_are_all_equal():
+    groups = [[SimpleNamespace(reward=r) for r in rs] for rs in ([1, 1], [0, 1], [0, 0], [0.5, 0.5, 1])]
+    kept, dropped = ulorl.dynamic_sampling(groups, enabled=True)
+    assert kept == [groups[1], groups[3]] and dropped == 2
+    assert ulorl.dynamic_sampling(groups, enabled=False) == (groups, 0)
+
+
+@pytest.mark.parametrize("is_mode, left, dropped", [("pois", 2, None), ("sais", 2, None), ("tois", 0, 2)])
+def test_take_groups_keeps_the_surplus_except_under_tois(is_mode, left, dropped):
+    """The first --train-groups ready groups train; the rest wait for the next step, except under TOIS, whose
+    tokens must all come from the weights being updated: its surplus is dropped."""
+    state = ulorl.RunState(ready=["g0", "g1", "g2", "g3"])
+    groups, n = ulorl.take_groups(state, SimpleNamespace(train_groups=2, is_mode=is_mode))
+    assert groups == ["g0", "g1"] and n == dropped and state.ready == ["g2", "g3"][:left]
+
+
+def test_token_masks_filter_truncated_samples_whole_and_keep_dmmpt_tokens_in_the_denominator():
+    """--overlong filter takes a truncated sample out of the loss (both masks); a DMMPT-masked token leaves only
+    the policy-gradient mask (UloRL Eq. 10: it stays in the denominator)."""
+    resp = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
+    mb = SimpleNamespace(resp_mask=resp, empty=False, truncated=torch.tensor([False, True, False]),
+                         rewards=torch.tensor([1.0, 1.0, 0.0]))
+    mastered = torch.full((3, 3), math.log(0.999))
+    entropy = torch.zeros(3, 3)
+    cfg = SimpleNamespace(overlong="filter", mpt="dynamic", mpt_tau=0.99, mpt_sigma=0.2)
+    loss_mask, pg_mask = ulorl.token_masks(mb, mastered, entropy, cfg)
+    assert torch.equal(loss_mask, torch.tensor([[True, True, False], [False, False, False], [True, True, True]]))
+    assert torch.equal(pg_mask, torch.tensor([[False, False, False], [False, False, False], [True, True, True]]))
+    loss_mask, pg_mask = ulorl.token_masks(mb, mastered, entropy, SimpleNamespace(**{**vars(cfg), "overlong": "zero",
+                                                                                      "mpt": "off"}))
+    assert torch.equal(loss_mask, resp) and torch.equal(pg_mask, resp)
+

@@ -66,6 +66,7 @@ def test_trainer_positions_change_and_checkpoint_keeps_them(path, tmp_path):
     assert torch.equal(logprobs(again, seq, 60), logprobs(yarn, seq, 60))
 
 
+@pytest.mark.slow
 def test_vllm_computes_the_same_positions(path):
     """Engine log-probs of sampled continuations past position 128 equal the YaRN trainer's (1e-4) and not
     the unscaled model's: the overrides reached vLLM (hf_overrides) as they reached transformers."""
