@@ -27,6 +27,7 @@ import pytest
 
 from conftest import ROOT, run
 
+CHECK_ENV = dict(os.environ, PYTHON=sys.executable)  # check.sh runs the interpreter that runs the tests
 spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "tests", "gpu", "check.py"))
 check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(check)
@@ -36,7 +37,7 @@ def dry_run(n: int) -> list[tuple[int, dict, list[str], dict]]:
     """(phase, env, command, flags) of each command `check.sh --dry-run --gpus n` prints: phase 0 is the kernel
     check (its flags are check.py's), then the phases of train.py runs in the order of their "# phase" lines;
     flags are train.py's."""
-    proc = run(["bash", "tests/gpu/check.sh", "--dry-run", "--gpus", str(n)], timeout=60)
+    proc = run(["bash", "tests/gpu/check.sh", "--dry-run", "--gpus", str(n)], timeout=60, env=CHECK_ENV)
     assert proc.returncode == 0, proc.stderr
     out, phase = [], 0
     for line in proc.stdout.strip().splitlines():
@@ -198,7 +199,7 @@ def test_dry_run_overlap(n):
     runs = [c for c in commands if c[0] and c[3]["--overlap"] == "1"]
     if n == 1:  # --overlap refuses an engine on the trainer's GPU
         assert not runs
-        proc = run(["bash", "tests/gpu/check.sh", "--dry-run", "--gpus", "1"], timeout=60)
+        proc = run(["bash", "tests/gpu/check.sh", "--dry-run", "--gpus", "1"], timeout=60, env=CHECK_ENV)
         assert "# no overlap run: --overlap needs the engine on GPUs of its own" in proc.stdout
         return
     [(phase, env, words, flags)] = runs
@@ -476,14 +477,14 @@ def test_kernel_comparison_on_cpu():
 @pytest.mark.slow
 def test_kernel_check_without_a_gpu():
     """--kernel on a machine without a GPU prints its record, not ok, and exits 1 (as the whole check does)."""
-    proc = run(["bash", "tests/gpu/check.sh", "--kernel"], timeout=120)
+    proc = run(["bash", "tests/gpu/check.sh", "--kernel"], timeout=120, env=CHECK_ENV)
     assert proc.returncode == 1, proc.stderr[-3000:]
     rec = json.loads(proc.stdout.strip().splitlines()[-1])
     assert rec["check"] == "kernel" and rec["ok"] is False and rec["error"] == "no CUDA GPU"
 
 
 def test_dry_run_needs_gpus():
-    proc = run(["bash", "tests/gpu/check.sh", "--dry-run"], timeout=60)
+    proc = run(["bash", "tests/gpu/check.sh", "--dry-run"], timeout=60, env=CHECK_ENV)
     assert proc.returncode != 0 and "--gpus" in proc.stderr
 
 

@@ -13,6 +13,7 @@
 #   bash tests/gpu/check.sh [--gpus N] [--timeout S] [--work DIR]
 #   bash tests/gpu/check.sh --kernel                # the kernel check alone
 #   bash tests/gpu/check.sh --dry-run --gpus N      # the commands it would run, without a GPU
+# PYTHON names the interpreter (default: python3 on the PATH); the tests pass their own.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-exec python3 tests/gpu/check.py "$@"
+exec "${PYTHON:-python3}" tests/gpu/check.py "$@"
