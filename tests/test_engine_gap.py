@@ -88,8 +88,10 @@ STALE = ("import sys\nimport train\n"
 
 def train(out, *extra, stale_from: int = 0):
     script = ["-c", STALE, str(stale_from)] if stale_from else ["train.py"]
+    # nobind: vLLM's CPU worker keeps OMP_NUM_THREADS' one thread instead of binding one to every core, so the
+    # runs `runs` starts together share the cores instead of each spinning on both
     proc = run([sys.executable, *script, *BF16_VLLM, "--out", str(out), *extra], timeout=900,
-               env=dict(os.environ, OMP_NUM_THREADS="1"))
+               env=dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind"))
     recs = []
     if os.path.exists(os.path.join(out, "metrics.jsonl")):
         with open(os.path.join(out, "metrics.jsonl")) as f:
