@@ -48,11 +48,13 @@ def moe(tmp_path_factory):
 
 
 def train(out, model_dir, data, *extra, ranks=1):
+    # nobind (vLLM runs): vLLM's CPU worker keeps OMP_NUM_THREADS' one thread instead of binding one to every
+    # core, so runs started together share the cores instead of each spinning on both
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] \
         if ranks > 1 else [sys.executable]
     proc = run([*launcher, "train.py", *RUN, "--model", str(model_dir), "--data", str(data), "--out", str(out),
                *extra], cwd=ROOT, timeout=900,
-               env=dict(os.environ, OMP_NUM_THREADS="1"))
+               env=dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

@@ -31,7 +31,9 @@ def scripts(tmp_path_factory):
     tok = tiny.make_tokenizer()
     tiny.make_model(tok).save_pretrained(path)
     tok.save_pretrained(path)
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    # nobind: each engine's worker keeps OMP_NUM_THREADS' one thread instead of binding one to every core, so
+    # the three share the cores instead of each spinning on both
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     quiet = {k: v for k, v in env.items() if k != "VLLM_LOGGING_LEVEL"}  # vLLM's own default level
     jobs = {"own": (MIDWAY, ["own"], env), "here": (MIDWAY, ["here"], env), "syncs": (SYNCS, [], quiet)}
     pool = ThreadPoolExecutor(len(jobs))
