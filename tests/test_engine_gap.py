@@ -4,7 +4,7 @@ current weights sampled (rollout/engine_kl, logged with the gap's mean, p99 and 
 recent history and with an absolute ceiling; the largest gap grows with the tokens compared, so it is logged,
 not tested. The runs use vLLM's CPU build in bfloat16, on the tiny dense model and a tiny qwen3_moe.
 
-    python -m pytest tests/test_engine_gap.py        # ~4 minutes on 2 cores; the vLLM runs skip without vLLM
+    python -m pytest tests/test_engine_gap.py        # ~1.5 minutes on 2 cores; the vLLM runs skip without vLLM
 """
 import json
 import os
@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import run
+from conftest import run, together
 import tiny
 import engine_gap
 from config import parse_config
@@ -88,8 +88,10 @@ STALE = ("import sys\nimport train\n"
 
 def train(out, *extra, stale_from: int = 0):
     script = ["-c", STALE, str(stale_from)] if stale_from else ["train.py"]
+    # nobind: vLLM's CPU worker keeps OMP_NUM_THREADS' one thread instead of binding one to every core, so the
+    # runs `runs` starts together share the cores instead of each spinning on both
     proc = run([sys.executable, *script, *BF16_VLLM, "--out", str(out), *extra], timeout=900,
-               env=dict(os.environ, OMP_NUM_THREADS="1"))
+               env=dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind"))
     recs = []
     if os.path.exists(os.path.join(out, "metrics.jsonl")):
         with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -97,45 +99,63 @@ def train(out, *extra, stale_from: int = 0):
     return proc, recs
 
 
+def moe_files(d):
+    """A tiny qwen3_moe with 16 experts, top-4, and a task a random model meets about half the time."""
+    tok = tiny.make_tokenizer()
+    model = tiny.make_moe_model(tok, experts=16, top_k=4)
+    model.save_pretrained(d / "model")
+    tok.save_pretrained(d / "model")
+    rng = random.Random(0)
+    with open(d / "data.jsonl", "w") as f:  # at most 4 words: a random model meets it about half the time
+        for _ in range(100):
+            prompt = "+".join(str(rng.randint(1, 9)) for _ in range(rng.randint(2, 5))) + "="
+            f.write(json.dumps({"prompt": prompt, "answer": [{"type": "max_words", "n": 4}], "verifier": "ifeval"}) + "\n")
+    return ["--model", str(d / "model"), "--data", str(d / "data.jsonl"), "--steps", "3", "--max-response-len", "32",
+            "--segments", "2", "--train-groups", "4", "--prompts-per-step", "4"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The four vLLM runs of this file, started together: each is one mostly single-threaded process, so on
+    2 cores they take about half as long as one after another. {name: (process, records)}."""
+    d = tmp_path_factory.mktemp("engine_gap")
+    moe = moe_files(d)
+    names = ("healthy", "stale", "stale-overlap", "moe")
+    done = together(lambda: train(d / "healthy", "--steps", "6"),
+                    lambda: train(d / "stale", "--steps", "6", stale_from=3),
+                    lambda: train(d / "stale-overlap", "--steps", "10", "--overlap", "1", "--is-mode", "sais",
+                                  stale_from=3),
+                    lambda: train(d / "moe", *moe))
+    return dict(zip(names, done))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
-def test_a_healthy_bf16_run_passes_and_a_stale_engine_stops_it(tmp_path):
+def test_a_healthy_bf16_run_passes_and_a_stale_engine_stops_it(runs):
     """The tiny default (lr 3e-4) in bf16 with vLLM: every step passes the check at its default settings; the
     same run whose engine receives no weights from step 3 on stops at step 4, before its update, saying the
     engine is stale (one update of the tiny default is ~30x the bf16 noise)."""
-    proc, recs = train(tmp_path / "healthy", "--steps", "6")
+    proc, recs = runs["healthy"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     kl = [r["rollout/engine_kl"] for r in recs]
     assert len(kl) == 6 and all(0 < k < 1e-3 for k in kl), kl
     for r in recs:
         assert r["rollout/logprob_diff_mean"] <= r["rollout/logprob_diff_p99"] <= r["rollout/logprob_diff_max"]
-    proc, recs = train(tmp_path / "stale", "--steps", "6", stale_from=3)
+    proc, recs = runs["stale"]
     assert proc.returncode != 0
     assert [r["step"] for r in recs] == [1, 2, 3]  # step 4 stopped before its update, and logged nothing
     assert "the engine is stale" in proc.stderr and "stopping before the update" in proc.stderr, proc.stderr[-2000:]
     # --overlap 1: after step 1 the 256-token probe alone measures the gap; it sees the engine fall behind as
     # the updates it missed add up (measured: the 5th step without a sync stops, at 55x the median)
-    proc, recs = train(tmp_path / "stale-overlap", "--steps", "10", "--overlap", "1", "--is-mode", "sais",
-                       stale_from=3)
+    proc, recs = runs["stale-overlap"]
     assert proc.returncode != 0 and 3 <= len(recs) <= 8, [r["step"] for r in recs]
     assert "the engine is stale" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
-def test_a_healthy_bf16_moe_run_passes(tmp_path):
+def test_a_healthy_bf16_moe_run_passes(runs):
     """A tiny qwen3_moe with 16 experts, top-4, in bf16 with vLLM: the check passes at every step."""
-    tok = tiny.make_tokenizer()
-    model = tiny.make_moe_model(tok, experts=16, top_k=4)
-    model.save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    rng = random.Random(0)
-    with open(tmp_path / "data.jsonl", "w") as f:  # at most 4 words: a random model meets it about half the time
-        for _ in range(100):
-            prompt = "+".join(str(rng.randint(1, 9)) for _ in range(rng.randint(2, 5))) + "="
-            f.write(json.dumps({"prompt": prompt, "answer": [{"type": "max_words", "n": 4}], "verifier": "ifeval"}) + "\n")
-    proc, recs = train(tmp_path / "run", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data.jsonl"),
-                       "--steps", "3", "--max-response-len", "32", "--segments", "2", "--train-groups", "4",
-                       "--prompts-per-step", "4")
+    proc, recs = runs["moe"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(recs) == 3 and all(r["rollout/engine_kl"] is not None for r in recs)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import run
+from conftest import run, together
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +23,8 @@ def test_a_finding_runs_end_to_end_and_reuses_its_runs(tmp_path):
     before = os.stat(committed).st_mtime_ns
     cmd = [sys.executable, "experiments/findings.py", "dmmpt", "--seeds", "0", "--root", str(tmp_path / "runs"),
            "--steps", "2", "--eval-n", "16", "--eval-every", "1",
-           "--prompts-per-step", "2", "--train-groups", "2", "--dynamic-sampling", "false"]
+           "--prompts-per-step", "2", "--train-groups", "2", "--dynamic-sampling", "false",
+           "--jobs", "2"]  # its 3 variants two at a time (one thread each): the same runs, sooner on 2 cores
     first = run(cmd, cwd=ROOT, timeout=900)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     summary = json.loads(first.stdout.strip().splitlines()[-1])
@@ -35,11 +36,13 @@ def test_a_finding_runs_end_to_end_and_reuses_its_runs(tmp_path):
     for variant in ("off", "static", "dynamic"):
         with open(tmp_path / "runs" / "dmmpt" / f"{variant}_s0" / "metrics.jsonl") as f:
             assert [json.loads(line)["step"] for line in f] == [0, 1, 2]
-    again = run(cmd, cwd=ROOT, timeout=300)
+    # both only read the finished runs: together
+    again, passk = together(
+        lambda: run(cmd, cwd=ROOT, timeout=300),
+        lambda: run([sys.executable, "experiments/findings.py", "passk", "--models", "dmmpt/off,dmmpt/static",
+                     "--root", str(tmp_path / "runs"), "--figure", str(tmp_path / "passk.png"),
+                     "--passk-samples", "4", "--passk-problems", "8"], cwd=ROOT, timeout=600))
     assert again.returncode == 0 and "_s0:" not in again.stdout  # no run trained again
-    passk = run([sys.executable, "experiments/findings.py", "passk", "--models", "dmmpt/off,dmmpt/static",
-                "--root", str(tmp_path / "runs"), "--figure", str(tmp_path / "passk.png"),
-                "--passk-samples", "4", "--passk-problems", "8"], cwd=ROOT, timeout=600)
     assert passk.returncode == 0, passk.stdout[-2000:] + passk.stderr[-3000:]
     table = json.loads(passk.stdout.strip().splitlines()[-1])["pass@k"]
     assert set(table) == {"warm start", "dmmpt/off", "dmmpt/static"} and set(table["warm start"]) == {"1", "2", "4"}

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run
+from conftest import run, together
 import model as model_lib
 import tiny
 from engine import Sampling, process_logits
@@ -48,11 +48,13 @@ def moe(tmp_path_factory):
 
 
 def train(out, model_dir, data, *extra, ranks=1):
+    # nobind (vLLM runs): vLLM's CPU worker keeps OMP_NUM_THREADS' one thread instead of binding one to every
+    # core, so runs started together share the cores instead of each spinning on both
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] \
         if ranks > 1 else [sys.executable]
     proc = run([*launcher, "train.py", *RUN, "--model", str(model_dir), "--data", str(data), "--out", str(out),
                *extra], cwd=ROOT, timeout=900,
-               env=dict(os.environ, OMP_NUM_THREADS="1"))
+               env=dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -95,8 +97,9 @@ def test_vllm_engine_follows_moe_weights(moe, own_process):
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_moe_trains_with_vllm_in_one_process_and_two_fsdp_ranks(moe, tmp_path):
-    one = train(tmp_path / "one", *moe, "--steps", "3", "--engine", "vllm")
-    two = train(tmp_path / "two", *moe, "--steps", "3", "--engine", "vllm", "--parallel", "fsdp", ranks=2)
+    one, two = together(lambda: train(tmp_path / "one", *moe, "--steps", "3", "--engine", "vllm"),
+                        lambda: train(tmp_path / "two", *moe, "--steps", "3", "--engine", "vllm", "--parallel", "fsdp",
+                                      ranks=2))
     for recs in (one, two):
         gaps = [r["rollout/logprob_diff_max"] for r in recs]
         assert all(g is not None and g < 1e-4 for g in gaps), gaps
@@ -110,20 +113,22 @@ def test_moe_trains_with_vllm_in_one_process_and_two_fsdp_ranks(moe, tmp_path):
 
 
 def test_moe_resumes_exactly_and_its_checkpoint_loads_and_evaluates(moe, tmp_path):
-    train(tmp_path / "straight", *moe, "--steps", "4")
-    train(tmp_path / "resumed", *moe, "--steps", "2")
-    train(tmp_path / "resumed", *moe, "--steps", "4", "--resume", "auto")
+    # independent runs go together (one thread each, two cores): the straight run beside the first half, and
+    # eval.py on the straight run's checkpoint beside the resumed second half
+    together(lambda: train(tmp_path / "straight", *moe, "--steps", "4"),
+             lambda: train(tmp_path / "resumed", *moe, "--steps", "2"))
+    ckpt = tmp_path / "straight" / "step_000004"
+    proc = together(lambda: train(tmp_path / "resumed", *moe, "--steps", "4", "--resume", "auto"),
+                    lambda: run([sys.executable, "eval.py", "--model", str(ckpt), "--data", str(moe[1]), "--n-problems",
+                                 "8", "--k", "2", "--max-response-len", "32", "--report", str(tmp_path / "r.json")],
+                                cwd=ROOT, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1")))[1]
     a, b = weights(tmp_path / "straight", 4), weights(tmp_path / "resumed", 4)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     from transformers import AutoModelForCausalLM
-    ckpt = tmp_path / "straight" / "step_000004"
     loaded = AutoModelForCausalLM.from_pretrained(ckpt)
     assert loaded.config.model_type == "qwen3_moe" and not loaded.config.tie_word_embeddings
     trained = dict(loaded.named_parameters())
     assert torch.equal(trained["model.layers.1.mlp.experts.down_proj"][2], a["model.layers.1.mlp.experts.2.down_proj.weight"])
-    proc = run([sys.executable, "eval.py", "--model", str(ckpt), "--data", str(moe[1]), "--n-problems", "8",
-               "--k", "2", "--max-response-len", "32", "--report", str(tmp_path / "r.json")],
-               cwd=ROOT, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["n_problems"] == 8 and 0 < report["mean_reward"] <= 1

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from conftest import run
+from conftest import run, together
 import checkpoint
 import distributed
 from routing import Routing, routing_dtype
@@ -58,20 +58,20 @@ def huge_config(tmp_path):
     return d
 
 
+@pytest.mark.slow
 def test_a_run_that_cannot_fit_stops_before_loading(tmp_path):
     """The huge model has no weight files: had anything been loaded, the error would be a missing file. The
     plan (--plan) prints its items, and the run stops with the total against this machine's memory."""
     d = huge_config(tmp_path)
-    train = lambda *extra: run([sys.executable, "train.py", "--model", str(d), "--eval-data", "",
-                               "--out", str(tmp_path / "out"), "--engine", "hf", *extra],
-                               cwd=ROOT, timeout=300)
-    shown = train("--plan")
+    train = lambda out, *extra: run([sys.executable, "train.py", "--model", str(d), "--eval-data", "",  # noqa: E731
+                                     "--out", str(tmp_path / out), "--engine", "hf", *extra],
+                                    cwd=ROOT, timeout=300)
+    shown, stopped = together(lambda: train("plan", "--plan"), lambda: train("out"))  # independent: together
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "AdamW moments" in shown.stdout and "activations" in shown.stdout
     weights_gib = float(next(line.split()[-2] for line in shown.stdout.splitlines() if line.strip().startswith("weights")))
     P = plan_lib.Shape.of(Qwen3Config.from_pretrained(d)).params()
     assert abs(weights_gib - P * 4 / 2**30) < 0.01  # fp32 on CPU
-    stopped = train()
     assert stopped.returncode == 1
     assert "cannot fit" in stopped.stderr and "GiB" in stopped.stderr and "more than its" in stopped.stderr
     assert "safetensors" not in stopped.stderr and not (tmp_path / "out" / "metrics.jsonl").exists()
@@ -102,11 +102,14 @@ def test_plan_is_within_a_quarter_of_the_measured_peak(moe_dir, tmp_path):
     data = tmp_path / "data.jsonl"  # a reward a random model sometimes earns: at most 4 words
     data.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}=", "answer": [{"type": "max_words", "n": 4}],
                                         "verifier": "ifeval"}) + "\n" for i in range(100)))
-    for name, extra in (("dense", []), ("moe", ["--model", str(moe_dir), "--data", str(data)])):
+    models = (("dense", []), ("moe", ["--model", str(moe_dir), "--data", str(data)]))
+    # the two runs together (one thread each; each measures its own process's peak)
+    procs = together(*(lambda out=tmp_path / name, extra=extra: run(
+        [sys.executable, "train.py", "--steps", "2", "--eval-n", "64", "--dump-samples", "0",
+         "--dynamic-sampling", "false", "--out", str(out), *extra], cwd=ROOT,
+        timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1")) for name, extra in models))
+    for (name, _), proc in zip(models, procs):
         out = tmp_path / name
-        proc = run([sys.executable, "train.py", "--steps", "2", "--eval-n", "64", "--dump-samples", "0",
-                   "--dynamic-sampling", "false", "--out", str(out), *extra], cwd=ROOT,
-                   timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         planned = next(r["memory/plan_trainer_mib"] for r in recs if "memory/plan_trainer_mib" in r)
@@ -114,16 +117,17 @@ def test_plan_is_within_a_quarter_of_the_measured_peak(moe_dir, tmp_path):
         assert abs(planned / measured - 1) < 0.25, (name, planned, measured)
 
 
+@pytest.mark.slow
 def test_sharded_loading_gives_the_pretrained_weights(moe_dir):
     """Two FSDP2 ranks build the model on the meta device and fill their shards from the checkpoint; gathered,
     every parameter and buffer equals from_pretrained's (dense tied, and MoE whose per-expert tensors on disk
-    become transformers' fused ones)."""
-    for path in (tiny.CKPT, moe_dir):
-        proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   __file__, str(path)], cwd=ROOT, timeout=300,
-                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-        assert proc.stdout.count("equal") == 1, proc.stdout
+    become transformers' fused ones). One launch loads both, one after the other."""
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               __file__, str(tiny.CKPT), str(moe_dir)], cwd=ROOT, timeout=300,
+               env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.splitlines().count(f"equal {tiny.CKPT}") == 1, proc.stdout
+    assert proc.stdout.splitlines().count(f"equal {moe_dir}") == 1, proc.stdout
 
 
 def test_streamed_checkpoint_loads_in_transformers(moe_dir, tmp_path):
@@ -148,29 +152,32 @@ def test_streamed_checkpoint_loads_in_vllm(tmp_path):
     lm = AutoModelForCausalLM.from_pretrained(tiny.CKPT)
     checkpoint.save_weights(lm, distributed.hf_weights(lm), tiny.make_tokenizer(), str(tmp_path / "ckpt"), 1_000_000)
     assert (tmp_path / "ckpt" / "model.safetensors.index.json").exists()
+    paths = (tiny.CKPT, tmp_path / "ckpt")
+    # both evaluations together (one thread each)
+    procs = together(*(lambda i=i, path=path: run(
+        [sys.executable, "eval.py", "--model", str(path), "--engine", "vllm", "--n-problems", "16", "--k", "1",
+         "--temperature", "1e-5", "--report", str(tmp_path / f"{i}.json")], cwd=ROOT,
+        timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1")) for i, path in enumerate(paths)))
     answers = []
-    for path in (tiny.CKPT, tmp_path / "ckpt"):
-        report = tmp_path / f"{len(answers)}.json"
-        proc = run([sys.executable, "eval.py", "--model", str(path), "--engine", "vllm", "--n-problems",
-                   "16", "--k", "1", "--temperature", "1e-5", "--report", str(report)], cwd=ROOT,
-                   timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    for i, proc in enumerate(procs):
         assert proc.returncode == 0, proc.stderr[-3000:]
-        answers.append([(p["answers"], p["lengths"]) for p in json.loads(report.read_text())["per_problem"]])
+        report = json.loads((tmp_path / f"{i}.json").read_text())
+        answers.append([(p["answers"], p["lengths"]) for p in report["per_problem"]])
     assert answers[0] == answers[1]
 
 
-if __name__ == "__main__":  # one rank of test_sharded_loading_gives_the_pretrained_weights
+if __name__ == "__main__":  # one rank of test_sharded_loading_gives_the_pretrained_weights, for each path given
     import torch.distributed as dist
     dist.init_process_group("gloo")
-    path = sys.argv[1]
-    lm = placement.load_sharded(path)[1]
-    want = AutoModelForCausalLM.from_pretrained(path)
-    params, buffers = dict(want.named_parameters()), dict(want.named_buffers())
-    bad = [n for n, p in lm.named_parameters() if not torch.equal(distributed.full_tensor(p).detach(), params[n])]
-    bad += [n for n, b in lm.named_buffers() if not torch.equal(b, buffers[n])]
-    assert lm.named_parameters() and not bad, bad
-    if dist.get_rank() == 0:
-        print("equal")
+    for path in sys.argv[1:]:
+        lm = placement.load_sharded(path)[1]
+        want = AutoModelForCausalLM.from_pretrained(path)
+        params, buffers = dict(want.named_parameters()), dict(want.named_buffers())
+        bad = [n for n, p in lm.named_parameters() if not torch.equal(distributed.full_tensor(p).detach(), params[n])]
+        bad += [n for n, b in lm.named_buffers() if not torch.equal(b, buffers[n])]
+        assert lm.named_parameters() and not bad, (path, bad)
+        if dist.get_rank() == 0:
+            print("equal", path, flush=True)
     dist.destroy_process_group()
 
 

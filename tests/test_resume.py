@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import kill_group, run, start
+from conftest import kill_group, run, start, together
 import outdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,17 +59,13 @@ def wait_for_step(out, step, proc, timeout=300):
     raise TimeoutError(f"no record of step {step} in {timeout} s")
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("whole")
+def run_whole(out):
     p = run(command(out), cwd=ROOT, env=env(), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return out
 
 
-@pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("killed")
+def kill_and_resume(out):
     proc = start(command(out), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_step(out, 3, proc)
@@ -85,6 +81,37 @@ def killed_and_resumed(tmp_path_factory):
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"resumed from {resume_from} at step {saved['step']}" in p.stdout
     return out, saved
+
+
+def terminate(out):
+    """A long run sent SIGTERM after its first step: (out, returncode, stdout, stderr)."""
+    proc = start(command(out) + ["--steps", "100", "--save-every", "0"], env=env(), stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(out, 1, proc)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc)
+    return out, proc.returncode, stdout, stderr
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The file's three runs at once (each a one-thread process): the uninterrupted run, the one killed and
+    resumed, and the one sent SIGTERM."""
+    made = [tmp_path_factory.mktemp(name) for name in ("whole", "killed", "term")]
+    return together(lambda: run_whole(made[0]), lambda: kill_and_resume(made[1]), lambda: terminate(made[2]))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(runs):
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(runs):
+    return runs[1]
 
 
 def test_resume_after_sigkill_is_exact(uninterrupted, killed_and_resumed):
@@ -134,17 +161,9 @@ def test_resume_auto_skips_damaged_checkpoints(uninterrupted, tmp_path, capsys):
     assert "step_000008: model.safetensors has 1000 bytes" in err and "step_000007: ulorl_state.json" in err
 
 
-def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
-    out = tmp_path / "term"
-    cmd = command(out) + ["--steps", "100", "--save-every", "0"]
-    proc = start(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_step(out, 1, proc)
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 0, stderr[-3000:]
+def test_sigterm_saves_a_loadable_checkpoint(runs):
+    out, returncode, stdout, stderr = runs[2]
+    assert returncode == 0, stderr[-3000:]
     last = records(out / "metrics.jsonl")[-1]["step"]
     assert f"stopped by SIGTERM after step {last}" in stdout
     ckpt = out / f"step_{last:06d}"

@@ -20,7 +20,7 @@ from routing import Routing, routing_mismatch
 import model as model_lib
 import tiny
 import ulorl
-from conftest import close_up_to_order, run
+from conftest import close_up_to_order, run, together
 from engine import HFEngine, Sampling, vllm_routing
 from naive import PROMPTS, ids, make_row
 from segment_rollout import Pools, rollout_step
@@ -243,8 +243,8 @@ def test_a_run_with_replay_resumes_bit_for_bit(tmp_path):
         with open(out / "metrics.jsonl") as f:
             return [json.loads(line) for line in f]
 
-    straight = train(tmp_path / "straight", "--steps", "4")
-    train(tmp_path / "resumed", "--steps", "2")
+    straight, _ = together(lambda: train(tmp_path / "straight", "--steps", "4"),  # independent: together
+                           lambda: train(tmp_path / "resumed", "--steps", "2"))
     saved = tmp_path / "resumed" / "step_000002"
     routes = torch.load(saved / "routing.pt", weights_only=True)
     state = json.loads((saved / "ulorl_state.json").read_text())

@@ -4,11 +4,15 @@ updates, and the weight sync that other RL frameworks get wrong (stale prefix ca
     python -m pytest tests/test_vllm.py      # skipped when vLLM is not installed
 """
 import copy
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow  # every test starts a vLLM engine, in this process or in one it starts
 
 import tiny  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
@@ -18,8 +22,31 @@ SAMPLING = Sampling(temperature=1.0)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """A random tiny Qwen3 with tied embeddings, saved where vLLM can load it, and an engine on it."""
+def scripts(tmp_path_factory):
+    """The scripts of the last three tests (MIDWAY in both places, SYNCS), each its own mostly single-threaded
+    process, started at once and before this process's engine: they run while the in-process tests do.
+    {name: future of its CompletedProcess}."""
+    from conftest import ROOT, run
+    path = tmp_path_factory.mktemp("tiny_tied")
+    tok = tiny.make_tokenizer()
+    tiny.make_model(tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    # nobind: each engine's worker keeps OMP_NUM_THREADS' one thread instead of binding one to every core, so
+    # the three share the cores instead of each spinning on both
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    quiet = {k: v for k, v in env.items() if k != "VLLM_LOGGING_LEVEL"}  # vLLM's own default level
+    jobs = {"own": (MIDWAY, ["own"], env), "here": (MIDWAY, ["here"], env), "syncs": (SYNCS, [], quiet)}
+    pool = ThreadPoolExecutor(len(jobs))
+    futures = {name: pool.submit(run, [sys.executable, "-c", script, str(path), *args], 180, env=e)
+               for name, (script, args, e) in jobs.items()}
+    yield futures
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, scripts):
+    """A random tiny Qwen3 with tied embeddings, saved where vLLM can load it, and an engine on it (after
+    `scripts` started theirs)."""
     path = str(tmp_path_factory.mktemp("tiny_random"))
     tok = tiny.make_tokenizer()
     torch.manual_seed(0)
@@ -155,20 +182,13 @@ except RuntimeError as e:
 
 
 @pytest.mark.parametrize("where", ["own", "here"])
-def test_a_sync_that_fails_midway_ends_the_run_with_its_error(tmp_path, where):
+def test_a_sync_that_fails_midway_ends_the_run_with_its_error(scripts, where):
     """The workers wait in the broadcast for tensors that never come: finishing their update, as a failed sync
     used to, waited with them (for --dist-timeout, 30 minutes, on GPUs). Now the engine is torn down and the
     trainer's error ends the run within seconds."""
-    import os
     import subprocess
-    import sys
-    from conftest import ROOT, run
-    tok = tiny.make_tokenizer()
-    tiny.make_model(tok).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
     try:
-        p = run([sys.executable, "-c", MIDWAY, str(tmp_path), where], timeout=180,
-                env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+        p = scripts[where].result()
     except subprocess.TimeoutExpired:
         pytest.fail("the failed sync hung")
     assert p.returncode == 1, p.stderr[-3000:]
@@ -199,21 +219,13 @@ print("=== done", flush=True)
 """
 
 
-def test_a_sync_prints_vllms_warnings_not_its_expected_ones(tmp_path):
+def test_a_sync_prints_vllms_warnings_not_its_expected_ones(scripts):
     """Every sync into vLLM's CPU build printed "RotaryEmbedding: Failed to load weights" and "ParallelLMHead:
     Failed to load weights" between the step lines: a rotary cache and a tied lm_head receive nothing, rightly
     (the engine follows the trainer: test_logprobs_match_trainer_across_weight_updates; an untied lm_head does
     receive its weights: test_moe's engine test). vLLM logs at warning level, those two are dropped, and a layer
     that really missed its weights is still reported."""
-    import os
-    import sys
-    from conftest import ROOT, run
-    tok = tiny.make_tokenizer()
-    tiny.make_model(tok).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    p = run([sys.executable, "-c", SYNCS, str(tmp_path)], timeout=180,
-            env={k: v for k, v in dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1").items()
-                 if k != "VLLM_LOGGING_LEVEL"})
+    p = scripts["syncs"].result()
     assert p.returncode == 0, p.stderr[-3000:]
     out = p.stdout + p.stderr
     syncs, left_out = out.split("=== syncs")[1].split("=== one left out")
