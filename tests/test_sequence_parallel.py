@@ -20,7 +20,7 @@ import seqpar
 import model as model_lib
 import tiny
 from conftest import close_up_to_order, free_port, run
-from test_distributed import records, rel_diff, weights
+from test_distributed import records, rel_diff, together, weights
 from segment_rollout import Sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,11 +196,11 @@ def moe_run_args(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sp_run(tmp_path_factory):
-    """3 steps with --sp 2 on 2 ranks: the dense run both tests below read."""
-    out = tmp_path_factory.mktemp("sp") / "sp"
-    train(out, "--steps", "3", "--sp", "2", ranks=2)
-    return out
+def dense_runs(tmp_path_factory):
+    """3 steps in one process and with --sp 2 on 2 ranks, side by side: the dense runs the tests below read."""
+    d = tmp_path_factory.mktemp("dense")
+    together(lambda: train(d / "one", "--steps", "3"), lambda: train(d / "sp", "--steps", "3", "--sp", "2", ranks=2))
+    return d
 
 
 @pytest.mark.slow
@@ -213,12 +213,13 @@ def test_two_ranks_with_sp_2_train_the_weights_of_one_process(tmp_path, kind, re
     gradients agree to ~1e-7; AdamW's first step, g / (sqrt(g^2) + eps), turns a rounding-level difference in a
     near-zero gradient into a visible one: 7.6e-6 on one weight of a random MoE.)"""
     extra = [] if kind == "dense" else request.getfixturevalue("moe_run_args")
-    train(tmp_path / "one", "--steps", "3", *extra)
     if kind == "dense":
-        sp = request.getfixturevalue("sp_run")
+        one, sp = (request.getfixturevalue("dense_runs") / run for run in ("one", "sp"))
     else:
-        train(sp := tmp_path / "sp", "--steps", "3", "--sp", "2", *extra, ranks=2)
-    a, b = records(tmp_path / "one"), records(sp)
+        one, sp = tmp_path / "one", tmp_path / "sp"
+        together(lambda: train(one, "--steps", "3", *extra),
+                 lambda: train(sp, "--steps", "3", "--sp", "2", *extra, ranks=2))
+    a, b = records(one), records(sp)
     assert [r["tokens/generated"] for r in a] == [r["tokens/generated"] for r in b]
     assert [r["reward/trained_mean"] for r in a] == [r["reward/trained_mean"] for r in b]
     for r, s in zip(a, b):
@@ -226,18 +227,18 @@ def test_two_ranks_with_sp_2_train_the_weights_of_one_process(tmp_path, kind, re
         assert r.get("rollout/routing_mismatch") == s.get("rollout/routing_mismatch")  # each slice counted once
         assert (r.get("rollout/routing_mismatch") is not None) == (kind == "moe")
         assert r["mpt/masked_frac"] == s["mpt/masked_frac"]
-    moved = rel_diff(weights(tmp_path / "one", 3), load_file(os.path.join(
+    moved = rel_diff(weights(one, 3), load_file(os.path.join(
         extra[1] if extra else os.path.join(ROOT, "tiny_ckpt"), "model.safetensors")))
-    a, b = weights(tmp_path / "one", 3), weights(sp, 3)
+    a, b = weights(one, 3), weights(sp, 3)
     norm = max(((a[k] - b[k]).norm() / a[k].norm()).item() for k in a)
     largest = max((a[k] - b[k]).abs().max().item() for k in a)
     assert moved > 1e-4 and norm < 1e-5 and largest < 0.1 * 3e-4, (kind, norm, largest, moved)
 
 
 @pytest.mark.slow
-def test_sequence_parallel_run_resumes_exactly(sp_run, tmp_path):
+def test_sequence_parallel_run_resumes_exactly(dense_runs, tmp_path):
     """The 3-step run resumed from its step-2 checkpoint into another --out ends where it ended."""
-    resumed = tmp_path / "resumed"
+    sp_run, resumed = dense_runs / "sp", tmp_path / "resumed"
     train(resumed, "--steps", "3", "--sp", "2", "--resume", str(sp_run / "step_000002"), ranks=2)
     a, b = weights(sp_run, 3), weights(resumed, 3)
     assert all(torch.equal(a[k], b[k]) for k in a), rel_diff(a, b)
