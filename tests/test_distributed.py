@@ -35,6 +35,15 @@ def train_run(out, *extra, ranks=2):
     return proc
 
 
+def together(*launches, at_once=4):
+    """Independent launches (callables), `at_once` at a time, their results in order: a single-process run takes
+    one core, and a torchrun run's other ranks idle while rank 0 rolls out, so side by side they end sooner on
+    2 cores (nothing they check depends on timing)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(min(at_once, len(launches))) as pool:
+        return [f.result() for f in [pool.submit(launch) for launch in launches]]
+
+
 def weights(out, step):
     """The safetensors of checkpoint `step` in `out` (or of the folder `step`, e.g. "reference")."""
     sub = step if isinstance(step, str) else f"step_{step:06d}"
@@ -51,13 +60,46 @@ def records(out):
         return [json.loads(line) for line in f]
 
 
+def two_nodes(out, *extra):
+    """train.py under torchrun --nnodes 2 --nproc-per-node 1: two agents on 127.0.0.1, one trainer rank each."""
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+              f"127.0.0.1:{free_port()}"]
+    cmd = lambda node: [sys.executable, "-m", "torch.distributed.run", *common, "--node-rank", str(node), "train.py",
+                        *ARGS, "--out", str(out), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    second = start(cmd(1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        first = run(cmd(0), env=env, timeout=600)
+        assert second.wait(timeout=120) == 0 and first.returncode == 0, \
+            first.stderr[-3000:] + second.stderr.read()[-3000:]
+    finally:
+        kill_group(second)
+        second.stderr.close()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """One process, FSDP2 and DDP on 2 ranks, and FSDP2 on two nodes: independent runs, side by side."""
     d = tmp_path_factory.mktemp("dist")
-    train_run(d / "one", "--steps", "3", ranks=1)
-    train_run(d / "fsdp", "--steps", "4", "--parallel", "fsdp")
-    train_run(d / "ddp", "--steps", "3", "--parallel", "ddp")
+    together(lambda: train_run(d / "fsdp", "--steps", "4", "--parallel", "fsdp"),
+             lambda: train_run(d / "one", "--steps", "3", ranks=1),
+             lambda: train_run(d / "ddp", "--steps", "3", "--parallel", "ddp"),
+             lambda: two_nodes(d / "nodes", "--steps", "3", "--parallel", "fsdp"))
     return d
+
+
+@pytest.fixture(scope="module")
+def from_step_2(runs, tmp_path_factory):
+    """The FSDP2 run's step-2 checkpoint resumed on 2 ranks (--offload-optimizer true) and in one process (which
+    must refuse), side by side."""
+    d = tmp_path_factory.mktemp("from_step_2")
+    saved = runs / "fsdp" / "step_000002"
+    resumed, refused = together(
+        lambda: train_run(d / "resumed", "--steps", "4", "--parallel", "fsdp", "--offload-optimizer", "true",
+                          "--resume", str(saved)),
+        lambda: run([sys.executable, "train.py", *ARGS, "--out", str(d / "refused"), "--steps", "5", "--resume",
+                     str(saved)], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")))
+    return {"saved": saved, "out": d / "resumed", "resumed": resumed, "refused": refused}
 
 
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
@@ -83,9 +125,8 @@ def test_two_ranks_train_the_weights_of_one_process(runs, parallel):
         assert recs[0]["memory/plan_trainer_mib"] > max(r["memory/host_peak_mib"] for r in recs) > 0
 
 
-def test_resume_on_another_world_size_is_refused(runs, tmp_path):
-    proc = run([sys.executable, "train.py", *ARGS, "--out", str(tmp_path), "--steps", "5",
-               "--resume", str(runs / "fsdp" / "step_000002")], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+def test_resume_on_another_world_size_is_refused(from_step_2):
+    proc = from_step_2["refused"]
     assert proc.returncode != 0 and "saved by 2 trainer process(es), resumed with 1" in proc.stderr
 
 
@@ -100,9 +141,9 @@ def test_vllm_in_its_own_process_under_torchrun(tmp_path):
     pytest.importorskip("vllm")
     no_reset = ["--kl-coef", "0", "--ref-reset-every", "0"]  # no optimizer reset: see the test above
     # 2 steps: step 2's rollout is the first on synced weights, where a replica left out would show
-    train_run(tmp_path / "one", "--steps", "2", "--engine", "vllm", *no_reset, ranks=1)
-    train_run(tmp_path / "two", "--steps", "2", "--engine", "vllm", "--parallel", "fsdp", "--rollout-replicas", "2",
-              *no_reset)
+    together(lambda: train_run(tmp_path / "one", "--steps", "2", "--engine", "vllm", *no_reset, ranks=1),
+             lambda: train_run(tmp_path / "two", "--steps", "2", "--engine", "vllm", "--parallel", "fsdp",
+                               "--rollout-replicas", "2", *no_reset))
     assert rel_diff(weights(tmp_path / "one", 2), weights(tmp_path / "two", 2)) < 1e-4
     a, b = records(tmp_path / "one"), records(tmp_path / "two")
     assert [r["step"] for r in b] == [1, 2]
@@ -156,29 +197,13 @@ def test_waiting_for_rank_0_is_not_bounded_by_the_collective_timeout(tmp_path):
     assert all(r["time/engine_wait_s"] > 5 for r in recs[1:]), recs[1:]
 
 
-def test_two_nodes_train_like_two_local_ranks(runs, tmp_path):
+def test_two_nodes_train_like_two_local_ranks(runs):
     """torchrun --nnodes 2: two agents on 127.0.0.1, one trainer rank each (rank 0 on node 0 owns the engine):
-    the same records and weights as the 2-rank run on one node."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "nodes"
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    cmd = lambda node: [sys.executable, "-m", "torch.distributed.run", *common, "--node-rank", str(node), "train.py",
-                        *ARGS, "--out", str(out), "--steps", "3", "--parallel", "fsdp"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    second = start(cmd(1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        first = run(cmd(0), env=env, timeout=600)
-        assert second.wait(timeout=120) == 0 and first.returncode == 0, \
-            first.stderr[-3000:] + second.stderr.read()[-3000:]
-    finally:
-        kill_group(second)
+    the same records and weights as the 2-rank run on one node (both launched by `runs`)."""
     skip = {"time/step_s", "time/rollout_s", "time/sync_s", "tokens/per_s", "config", "git"}
     clean = lambda recs: [{k: v for k, v in r.items() if k not in skip and not k.startswith("memory/")} for r in recs]
-    assert clean(records(out)) == clean(records(runs / "fsdp")[:3])
-    assert rel_diff(weights(out, 3), weights(runs / "fsdp", 3)) == 0
+    assert clean(records(runs / "nodes")) == clean(records(runs / "fsdp")[:3])
+    assert rel_diff(weights(runs / "nodes", 3), weights(runs / "fsdp", 3)) == 0
 
 
 LONG_EVAL = ["--steps", "1", "--eval-data", "tiny", "--eval-n", "2048", "--eval-every", "1", "--max-response-len", "64",
@@ -244,17 +269,15 @@ def _offload_worker(rank, world, port):
         dist.destroy_process_group()
 
 
-def test_sharded_checkpoint_resumes_exactly_with_the_optimizer_offloaded(runs, tmp_path):
+def test_sharded_checkpoint_resumes_exactly_with_the_optimizer_offloaded(runs, from_step_2):
     """The 4-step run resumed from its step-2 checkpoint into another --out, with --offload-optimizer true:
     FSDP2's CPUOffloadPolicy on every sharded module (checked on 2 spawned ranks); on CPU it moves nothing
     (pin_memory off), so the resumed run ends bit for bit where the straight one without it ended (what it
     saves on a GPU, the GPU check measures). One launch for both: a difference in either fails it."""
     import torch.multiprocessing as mp
     mp.spawn(_offload_worker, (2, free_port()), nprocs=2)
-    saved = runs / "fsdp" / "step_000002"
+    saved, out, proc = from_step_2["saved"], from_step_2["out"], from_step_2["resumed"]
     assert {"trainer_state_rank0.pt", "trainer_state_rank1.pt"} <= set(os.listdir(saved))
-    out = tmp_path / "resumed"
-    proc = train_run(out, "--steps", "4", "--parallel", "fsdp", "--offload-optimizer", "true", "--resume", str(saved))
     assert "optimizer state in host memory" in proc.stdout and f"resumed from {saved} at step 2" in proc.stdout
     assert sorted(os.listdir(out / "step_000004")) == sorted(os.listdir(runs / "fsdp" / "step_000004"))
     straight, resumed = weights(runs / "fsdp", 4), weights(out, 4)
