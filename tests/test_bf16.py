@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import kill_group, run, start
+from test_distributed import together
 import distributed
 import model as model_lib
 import tiny
@@ -103,6 +104,7 @@ def updates(lm, groups, tok, kind, n=5):
     return torch.cat([p.detach().float().flatten() for p in params])
 
 
+@pytest.mark.slow  # in process, but 15 forward-backward passes: over a second
 def test_masters_keep_updates_that_bf16_weights_round_away(tok):
     """The same batch, five updates at lr 1e-6: fp32 masters under bf16 compute move as fp32 weights do; AdamW
     on bf16 weights loses most of the change."""
@@ -128,11 +130,13 @@ def test_masters_keep_updates_that_bf16_weights_round_away(tok):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("bf16")
-    return {"one": train(d / "one", 1, "--dtype", "bfloat16"),
-            "one_resumed": kill_and_resume(d / "one_resumed", 1, "--dtype", "bfloat16"),
-            "fsdp": train(d / "fsdp", 2, "--dtype", "bfloat16", "--parallel", "fsdp"),
-            "ddp": train(d / "ddp", 2, "--dtype", "bfloat16", "--parallel", "ddp"),
-            "fsdp_resumed": kill_and_resume(d / "fsdp_resumed", 2, "--dtype", "bfloat16", "--parallel", "fsdp")}
+    bf16, fsdp = ["--dtype", "bfloat16"], ["--dtype", "bfloat16", "--parallel", "fsdp"]
+    # independent runs side by side (the kills wait for step 2's record, whatever the load)
+    runs = together(lambda: kill_and_resume(d / "fsdp_resumed", 2, *fsdp),
+                    lambda: kill_and_resume(d / "one_resumed", 1, *bf16),
+                    lambda: train(d / "fsdp", 2, *fsdp), lambda: train(d / "one", 1, *bf16),
+                    lambda: train(d / "ddp", 2, "--dtype", "bfloat16", "--parallel", "ddp"))
+    return dict(zip(["fsdp_resumed", "one_resumed", "fsdp", "one", "ddp"], runs))
 
 
 @pytest.mark.slow

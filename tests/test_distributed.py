@@ -35,6 +35,15 @@ def train_run(out, *extra, ranks=2):
     return proc
 
 
+def together(*launches, at_once=4):
+    """Independent launches (callables), `at_once` at a time, their results in order: a single-process run takes
+    one core, and a torchrun run's other ranks idle while rank 0 rolls out, so side by side they end sooner on
+    2 cores (nothing they check depends on timing)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(min(at_once, len(launches))) as pool:
+        return [f.result() for f in [pool.submit(launch) for launch in launches]]
+
+
 def weights(out, step):
     """The safetensors of checkpoint `step` in `out` (or of the folder `step`, e.g. "reference")."""
     sub = step if isinstance(step, str) else f"step_{step:06d}"
@@ -51,13 +60,46 @@ def records(out):
         return [json.loads(line) for line in f]
 
 
+def two_nodes(out, *extra):
+    """train.py under torchrun --nnodes 2 --nproc-per-node 1: two agents on 127.0.0.1, one trainer rank each."""
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+              f"127.0.0.1:{free_port()}"]
+    cmd = lambda node: [sys.executable, "-m", "torch.distributed.run", *common, "--node-rank", str(node), "train.py",
+                        *ARGS, "--out", str(out), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    second = start(cmd(1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        first = run(cmd(0), env=env, timeout=600)
+        assert second.wait(timeout=120) == 0 and first.returncode == 0, \
+            first.stderr[-3000:] + second.stderr.read()[-3000:]
+    finally:
+        kill_group(second)
+        second.stderr.close()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """One process, FSDP2 and DDP on 2 ranks, and FSDP2 on two nodes: independent runs, side by side."""
     d = tmp_path_factory.mktemp("dist")
-    train_run(d / "one", "--steps", "3", ranks=1)
-    train_run(d / "fsdp", "--steps", "4", "--parallel", "fsdp")
-    train_run(d / "ddp", "--steps", "3", "--parallel", "ddp")
+    together(lambda: train_run(d / "fsdp", "--steps", "4", "--parallel", "fsdp"),
+             lambda: train_run(d / "one", "--steps", "3", ranks=1),
+             lambda: train_run(d / "ddp", "--steps", "3", "--parallel", "ddp"),
+             lambda: two_nodes(d / "nodes", "--steps", "3", "--parallel", "fsdp"))
     return d
+
+
+@pytest.fixture(scope="module")
+def from_step_2(runs, tmp_path_factory):
+    """The FSDP2 run's step-2 checkpoint resumed on 2 ranks (--offload-optimizer true) and in one process (which
+    must refuse), side by side."""
+    d = tmp_path_factory.mktemp("from_step_2")
+    saved = runs / "fsdp" / "step_000002"
+    resumed, refused = together(
+        lambda: train_run(d / "resumed", "--steps", "4", "--parallel", "fsdp", "--offload-optimizer", "true",
+                          "--resume", str(saved)),
+        lambda: run([sys.executable, "train.py", *ARGS, "--out", str(d / "refused"), "--steps", "5", "--resume",
+                     str(saved)], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")))
+    return {"saved": saved, "out": d / "resumed", "resumed": resumed, "refused": refused}
 
 
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
@@ -83,28 +125,8 @@ def test_two_ranks_train_the_weights_of_one_process(runs, parallel):
         assert recs[0]["memory/plan_trainer_mib"] > max(r["memory/host_peak_mib"] for r in recs) > 0
 
 
-def test_sharded_checkpoint_resumes_exactly(runs, tmp_path):
-    out = tmp_path / "resumed"
-    train_run(out, "--steps", "2", "--parallel", "fsdp")
-    assert sorted(os.listdir(out / "step_000002")) == sorted(os.listdir(runs / "fsdp" / "step_000002"))
-    assert {"trainer_state_rank0.pt", "trainer_state_rank1.pt"} <= set(os.listdir(out / "step_000002"))
-    train_run(out, "--steps", "4", "--parallel", "fsdp", "--resume", "auto")
-    straight, resumed = weights(runs / "fsdp", 4), weights(out, 4)
-    assert all(torch.equal(straight[k], resumed[k]) for k in straight), rel_diff(straight, resumed)
-    straight, resumed = weights(runs / "fsdp" / "step_000004", "reference"), weights(out / "step_000004", "reference")
-    assert all(torch.equal(straight[k], resumed[k]) for k in straight), rel_diff(straight, resumed)
-    drop = {"time/step_s", "time/rollout_s", "time/sync_s", "tokens/per_s",  # and memory/*: measured
-            "config"}  # the first record's: its --out differs
-    clean = lambda recs: [{k: v for k, v in r.items() if k not in drop and not k.startswith("memory/")} for r in recs]
-    assert clean(records(out)) == clean(records(runs / "fsdp"))
-    # the gathered checkpoint is a plain HF model
-    from transformers import AutoModelForCausalLM
-    AutoModelForCausalLM.from_pretrained(out / "step_000004")
-
-
-def test_resume_on_another_world_size_is_refused(runs, tmp_path):
-    proc = run([sys.executable, "train.py", *ARGS, "--out", str(tmp_path), "--steps", "5",
-               "--resume", str(runs / "fsdp" / "step_000002")], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+def test_resume_on_another_world_size_is_refused(from_step_2):
+    proc = from_step_2["refused"]
     assert proc.returncode != 0 and "saved by 2 trainer process(es), resumed with 1" in proc.stderr
 
 
@@ -118,85 +140,74 @@ def test_vllm_in_its_own_process_under_torchrun(tmp_path):
     also ~0.05 off without the CPU tied-lm_head repack after a reload)."""
     pytest.importorskip("vllm")
     no_reset = ["--kl-coef", "0", "--ref-reset-every", "0"]  # no optimizer reset: see the test above
-    train_run(tmp_path / "one", "--steps", "3", "--engine", "vllm", *no_reset, ranks=1)
-    train_run(tmp_path / "two", "--steps", "3", "--engine", "vllm", "--parallel", "fsdp", "--rollout-replicas", "2",
-              *no_reset)
-    assert rel_diff(weights(tmp_path / "one", 3), weights(tmp_path / "two", 3)) < 1e-4
+    # 2 steps: step 2's rollout is the first on synced weights, where a replica left out would show
+    together(lambda: train_run(tmp_path / "one", "--steps", "2", "--engine", "vllm", *no_reset, ranks=1),
+             lambda: train_run(tmp_path / "two", "--steps", "2", "--engine", "vllm", "--parallel", "fsdp",
+                               "--rollout-replicas", "2", *no_reset))
+    assert rel_diff(weights(tmp_path / "one", 2), weights(tmp_path / "two", 2)) < 1e-4
     a, b = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["step"] for r in b] == [1, 2]
     assert [r["tokens/generated"] for r in a] == [r["tokens/generated"] for r in b]
     assert [r["reward/trained_mean"] for r in a] == [r["reward/trained_mean"] for r in b]
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in b), [r["rollout/logprob_diff_max"] for r in b]
     assert all(0 <= r["rollout/replica_idle"] < 1 for r in b) and "rollout/replica_idle" not in a[0]
 
 
-SLOW_ROLLOUT = """import sys, threading, time
+SLOW_RANK_0 = """import sys, threading, time
 sys.path.insert(0, sys.argv.pop(1))
 import rollouts
 import train
-real = rollouts.Rollouts.until_ready
-def slow(self, *args):  # the rollout decoded during the update takes longer than --dist-timeout
+real_ready, real_eval, evals = rollouts.Rollouts.until_ready, train.held_out, []
+def slow_ready(self, *args):  # the rollout decoded during the update takes longer than --dist-timeout
     if threading.current_thread().name == "rollout":
-        time.sleep(12)
-    return real(self, *args)
-rollouts.Rollouts.until_ready = slow
+        time.sleep(9)
+    return real_ready(self, *args)
+def slow_eval(*args):  # the evaluation before training (rank 0's first) takes over twice --dist-timeout
+    if not evals:
+        time.sleep(11)
+    evals.append(1)
+    return real_eval(*args)
+rollouts.Rollouts.until_ready, train.held_out = slow_ready, slow_eval
 if __name__ == "__main__":  # vLLM's engine process starts by spawn
     train.main(train.parse_config())
 """
 
 
-def test_a_rollout_overlapped_with_the_update_may_outlast_the_collective_timeout(tmp_path):
-    """--overlap 1 under torchrun: rank 0 waits for the rollout decoding beside the update before the sync, and
-    the other ranks used to wait for it inside the sync's gathers, where the collective timeout (NCCL's
-    watchdog on GPUs) ended the run once the rollout outlasted the update by --dist-timeout."""
+def test_waiting_for_rank_0_is_not_bounded_by_the_collective_timeout(tmp_path):
+    """Ranks 1..N-1 wait for rank 0's own work with no timeout (on GPUs the collective timeout is NCCL's
+    watchdog, and rank 0 may roll out for twenty minutes), in one torchrun run with --dist-timeout 5 that
+    makes both waits outlast it:
+    - an evaluation before training that takes twice --dist-timeout, which the others wait for in the step's
+      broadcast, outside the trainers' collectives;
+    - --overlap 1: rank 0 waits for the rollout decoding beside the update before the sync, and the other ranks
+      used to wait for it inside the sync's gathers, where the collective timeout ended the run once the
+      rollout outlasted the update by --dist-timeout."""
     pytest.importorskip("vllm")
-    script = tmp_path / "slow_rollout.py"
-    script.write_text(SLOW_ROLLOUT)
+    script = tmp_path / "slow_rank_0.py"
+    script.write_text(SLOW_RANK_0)
     proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
                 ROOT, *ARGS, "--out", str(tmp_path / "run"), "--steps", "2", "--parallel", "fsdp", "--engine", "vllm",
-                "--overlap", "1", "--is-mode", "sais", "--dist-timeout", "5"], timeout=600,
+                "--overlap", "1", "--is-mode", "sais", "--dist-timeout", "5",
+                "--eval-data", "tiny", "--eval-n", "4", "--eval-every", "100"], timeout=600,
                env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2]
-    assert all(r["time/engine_wait_s"] > 5 for r in records(tmp_path / "run")), records(tmp_path / "run")
+    recs = records(tmp_path / "run")
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    assert recs[0]["time/step_s"] > 10, recs[0]
+    assert all(r["time/engine_wait_s"] > 5 for r in recs[1:]), recs[1:]
 
 
-def test_two_nodes_train_like_two_local_ranks(runs, tmp_path):
+def test_two_nodes_train_like_two_local_ranks(runs):
     """torchrun --nnodes 2: two agents on 127.0.0.1, one trainer rank each (rank 0 on node 0 owns the engine):
-    the same records and weights as the 2-rank run on one node."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "nodes"
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    cmd = lambda node: [sys.executable, "-m", "torch.distributed.run", *common, "--node-rank", str(node), "train.py",
-                        *ARGS, "--out", str(out), "--steps", "3", "--parallel", "fsdp"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    second = start(cmd(1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        first = run(cmd(0), env=env, timeout=600)
-        assert second.wait(timeout=120) == 0 and first.returncode == 0, \
-            first.stderr[-3000:] + second.stderr.read()[-3000:]
-    finally:
-        kill_group(second)
+    the same records and weights as the 2-rank run on one node (both launched by `runs`)."""
     skip = {"time/step_s", "time/rollout_s", "time/sync_s", "tokens/per_s", "config", "git"}
     clean = lambda recs: [{k: v for k, v in r.items() if k not in skip and not k.startswith("memory/")} for r in recs]
-    assert clean(records(out)) == clean(records(runs / "fsdp")[:3])
-    assert rel_diff(weights(out, 3), weights(runs / "fsdp", 3)) == 0
+    assert clean(records(runs / "nodes")) == clean(records(runs / "fsdp")[:3])
+    assert rel_diff(weights(runs / "nodes", 3), weights(runs / "fsdp", 3)) == 0
 
 
 LONG_EVAL = ["--steps", "1", "--eval-data", "tiny", "--eval-n", "2048", "--eval-every", "1", "--max-response-len", "64",
              "--dist-timeout", "10"]  # evaluations of ~20 s
-
-
-def test_waiting_for_rank_0_is_not_bounded_by_the_collective_timeout(tmp_path):
-    """Ranks 1..N-1 wait for rank 0's rollout, evaluation and checkpoints outside the trainers' collectives: an
-    evaluation before training that takes twice --dist-timeout does not end the run (on GPUs the timeout
-    is NCCL's watchdog, and rank 0 may roll out for twenty minutes)."""
-    out = tmp_path / "long"
-    train_run(out, *LONG_EVAL)
-    step0 = records(out)[0]
-    assert step0["step"] == 0 and step0["time/step_s"] > 10, step0["time/step_s"]
 
 
 def worker_pids(agent: int) -> dict[int, int]:
@@ -258,16 +269,26 @@ def _offload_worker(rank, world, port):
         dist.destroy_process_group()
 
 
-def test_optimizer_offload_is_applied_and_changes_nothing_on_cpu(runs, tmp_path):
-    """--offload-optimizer true is FSDP2's CPUOffloadPolicy on every sharded module; on CPU it moves nothing
-    (pin_memory off), so the run is bit-identical to the one without (what it saves on a GPU, the GPU check
-    measures)."""
+def test_sharded_checkpoint_resumes_exactly_with_the_optimizer_offloaded(runs, from_step_2):
+    """The 4-step run resumed from its step-2 checkpoint into another --out, with --offload-optimizer true:
+    FSDP2's CPUOffloadPolicy on every sharded module (checked on 2 spawned ranks); on CPU it moves nothing
+    (pin_memory off), so the resumed run ends bit for bit where the straight one without it ended (what it
+    saves on a GPU, the GPU check measures). One launch for both: a difference in either fails it."""
     import torch.multiprocessing as mp
     mp.spawn(_offload_worker, (2, free_port()), nprocs=2)
-    proc = train_run(tmp_path, "--steps", "4", "--parallel", "fsdp", "--offload-optimizer", "true")
-    assert "optimizer state in host memory" in proc.stdout
-    for step in (2, 4):
-        a, b = weights(runs / "fsdp", step), weights(tmp_path, step)
-        assert all(torch.equal(a[k], b[k]) for k in a), rel_diff(a, b)
-    a, b = weights(runs / "fsdp" / "step_000004", "reference"), weights(tmp_path / "step_000004", "reference")
-    assert all(torch.equal(a[k], b[k]) for k in a), rel_diff(a, b)
+    saved, out, proc = from_step_2["saved"], from_step_2["out"], from_step_2["resumed"]
+    assert {"trainer_state_rank0.pt", "trainer_state_rank1.pt"} <= set(os.listdir(saved))
+    assert "optimizer state in host memory" in proc.stdout and f"resumed from {saved} at step 2" in proc.stdout
+    assert sorted(os.listdir(out / "step_000004")) == sorted(os.listdir(runs / "fsdp" / "step_000004"))
+    straight, resumed = weights(runs / "fsdp", 4), weights(out, 4)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight), rel_diff(straight, resumed)
+    straight, resumed = weights(runs / "fsdp" / "step_000004", "reference"), weights(out / "step_000004", "reference")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight), rel_diff(straight, resumed)
+    drop = {"time/step_s", "time/rollout_s", "time/sync_s", "tokens/per_s",  # and memory/*: measured
+            "config"}  # the first record's: its --out differs
+    clean = lambda recs: [{k: v for k, v in r.items() if k not in drop and not k.startswith("memory/")} for r in recs]
+    assert [r["step"] for r in records(out)] == [3, 4]
+    assert clean(records(out)) == clean(records(runs / "fsdp")[2:])
+    # the gathered checkpoint is a plain HF model
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(out / "step_000004")

@@ -11,6 +11,8 @@ import importlib.util
 import json
 import os
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -20,8 +22,7 @@ from conftest import run
 import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                                   reason="vLLM is not installed")]
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 ARGS = ["--engine", "vllm", "--overlap", "1", "--is-mode", "sais", "--eval-data", "", "--train-groups", "4",
         "--prompts-per-step", "8", "--max-response-len", "32", "--segments", "2", "--dump-samples", "0",
         "--save-every", "1", "--keep-last", "0", "--lr-final", "1"]  # a constant learning rate: a run resumed to 3 steps is compared with a 3-step one
@@ -36,18 +37,25 @@ def train(out, *extra):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_overlapped_rounds_are_one_version_old_and_resume_exactly(tmp_path):
-    straight = train(tmp_path / "straight", "--steps", "3")
+    saved = tmp_path / "straight" / "step_000002"
+    with ThreadPoolExecutor(1) as pool:
+        straight = pool.submit(train, tmp_path / "straight", "--steps", "3")
+        # a checkpoint appears whole (written aside, then renamed): the resumed run starts beside step 3
+        while not saved.exists() and not straight.done():
+            time.sleep(0.2)
+        resumed = train(tmp_path / "resumed", "--steps", "3", "--resume", str(saved)) if saved.exists() else None
+        straight = straight.result()
+    assert resumed is not None, "the straight run saved no step 2"
     assert [r["staleness/engine_lag"] for r in straight] == [0, 1, 1]
     assert all(r["staleness/token_max"] <= r["staleness/engine_lag"] + 1 for r in straight)  # + older segments
     # after step 1 no trained token is of the current weights: the probe alone measures the gap, on every step
     assert [r["staleness/token_mean"] >= 1 for r in straight] == [False, True, True]
     assert all(r["rollout/engine_kl"] is not None and r["rollout/engine_kl"] < 1e-9 for r in straight)
-    saved = tmp_path / "straight" / "step_000002"
     state = json.loads((saved / "ulorl_state.json").read_text())
     assert state["prefetched"]["version"] == 1  # step 3's rollout, decoded during step 2's update by step 1's weights
     assert state["prefetched"]["record"]["rollout/rounds"] >= 1
-    resumed = train(tmp_path / "resumed", "--steps", "3", "--resume", str(saved))
     clean = lambda recs: [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in recs]
     assert clean(resumed) == clean(straight[2:])
     a, b = (load_file(tmp_path / run / "step_000003" / "model.safetensors") for run in ("straight", "resumed"))

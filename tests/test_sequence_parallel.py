@@ -20,7 +20,7 @@ import seqpar
 import model as model_lib
 import tiny
 from conftest import close_up_to_order, free_port, run
-from test_distributed import records, rel_diff, weights
+from test_distributed import records, rel_diff, together, weights
 from segment_rollout import Sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,46 +113,58 @@ def test_varlen_is_called_as_each_torch_names_its_arguments(monkeypatch):
         seqpar._attend(q, kv, kv, cu, 5, 0.5, "varlen")
 
 
-def _sp_worker(rank, world, port, moe, out):
+def _sp_worker(rank, world, port, kinds, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         seqpar.init_sequence_parallel(world)
-        lm = make(moe, seqpar.attention_name("sdpa", world))
-        lp, ent, grads = forward_backward(lm, model_lib.collate(samples(routed=moe == "replay"), 0, pack=True))
-        dist.all_reduce(grads)  # each rank's part of the gradient; DDP/FSDP sum them (they average x world)
+        results = []
+        for moe in kinds:  # one process group for every kind: a spawn of `world` processes costs seconds
+            lm = make(moe, seqpar.attention_name("sdpa", world))
+            lp, ent, grads = forward_backward(lm, model_lib.collate(samples(routed=moe == "replay"), 0, pack=True))
+            dist.all_reduce(grads)  # each rank's part of the gradient; DDP/FSDP sum them (they average x world)
+            results.append((lp, ent, grads))
         if rank == 0:
-            torch.save((lp, ent, grads), out)
+            torch.save(results, out)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("moe, sp", [(False, 2), (True, 4), ("replay", 2)])
-def test_ranks_holding_slices_give_the_whole_forward_and_backward(tmp_path, sp, moe):
+@pytest.mark.slow
+@pytest.mark.parametrize("kinds, sp", [((False, "replay"), 2), ((True,), 4)], ids=["dense+replay-2", "moe-4"])
+def test_ranks_holding_slices_give_the_whole_forward_and_backward(tmp_path, sp, kinds):
     """sp 2: each rank gets one of the 2 KV heads; sp 4: the 2 KV heads are replicated for 4 ranks. The packed
     row (64 tokens) is cut in sp slices mid-sequence; every rank returns all the log-probs, and the ranks'
     gradients add up to one process's. Dense, MoE, and MoE whose routers replay given experts (--routing-replay:
     each rank its slice of the row's)."""
     out = tmp_path / "sp.pt"
-    mp.spawn(_sp_worker, (sp, free_port(), moe, str(out)), nprocs=sp)
-    lp, ent, grads = torch.load(out)
-    one = forward_backward(make(moe, "sdpa"), model_lib.collate(samples(routed=moe == "replay"), 0, pack=True))
-    if moe == "replay":  # the replayed experts changed the forward
-        assert not torch.allclose(one[0], forward_backward(make(True, "sdpa"), model_lib.collate(samples(), 0))[0])
-    assert close_up_to_order(lp, one[0]) and close_up_to_order(ent, one[1])
-    assert close_up_to_order(grads, one[2]), (grads - one[2]).abs().max()
+    mp.spawn(_sp_worker, (sp, free_port(), kinds, str(out)), nprocs=sp)
+    for moe, (lp, ent, grads) in zip(kinds, torch.load(out), strict=True):
+        one = forward_backward(make(moe, "sdpa"), model_lib.collate(samples(routed=moe == "replay"), 0, pack=True))
+        if moe == "replay":  # the replayed experts changed the forward
+            assert not torch.allclose(one[0], forward_backward(make(True, "sdpa"), model_lib.collate(samples(), 0))[0])
+        assert close_up_to_order(lp, one[0]) and close_up_to_order(ent, one[1]), moe
+        assert close_up_to_order(grads, one[2]), (moe, (grads - one[2]).abs().max())
 
 
-def test_sequence_parallel_refuses_what_it_cannot_split(tmp_path):
-    refused = run([sys.executable, "train.py", "--sp", "2", "--out", str(tmp_path)], cwd=ROOT, timeout=120)
-    assert refused.returncode == 2 and "--sp 2: sequence parallelism splits packed rows; add --pack true" in refused.stderr
-    three = run([sys.executable, "train.py", "--sp", "3", "--pack", "--plan"], cwd=ROOT, timeout=120,
-                env=dict(os.environ, WORLD_SIZE="3"))
-    assert three.returncode == 1 and "--sp 3: a sequence-parallel size divides the 3 trainer rank(s) and the " \
-                                      "model's 4 attention heads" in three.stderr, three.stderr[-1500:]
-    cpu = run([sys.executable, "train.py", "--attn-implementation", "varlen", "--pack"], cwd=ROOT, timeout=120)
-    assert cpu.returncode == 2 and "--attn-implementation varlen: FlashAttention's kernels" in cpu.stderr
+def test_sequence_parallel_refuses_what_it_cannot_split(monkeypatch, capsys):
+    """In process: the checks train.py runs first (parse_config's, whose argparse error exits 2, and
+    placement.start's, whose ValueError train.py prints and exits 1 with, as tests/test_placement.py checks)."""
+    import config
+    import placement
+    with pytest.raises(SystemExit) as refused:
+        config.parse_config(["--sp", "2"])
+    assert refused.value.code == 2
+    assert "--sp 2: sequence parallelism splits packed rows; add --pack true" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="--sp 3: a sequence-parallel size divides the 3 trainer rank"
+                                         r"\(s\) and the model's 4 attention heads"):
+        placement.start(config.parse_config(["--sp", "3", "--pack", "--plan"]))
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(SystemExit) as cpu:
+        config.parse_config(["--attn-implementation", "varlen", "--pack"])
+    assert cpu.value.code == 2 and "--attn-implementation varlen: FlashAttention's kernels" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ whole runs, torchrun
@@ -183,6 +195,14 @@ def moe_run_args(tmp_path_factory):
     return ["--model", str(d / "model"), "--data", str(data), "--dynamic-sampling", "false", "--routing-replay", "true"]
 
 
+@pytest.fixture(scope="module")
+def dense_runs(tmp_path_factory):
+    """3 steps in one process and with --sp 2 on 2 ranks, side by side: the dense runs the tests below read."""
+    d = tmp_path_factory.mktemp("dense")
+    together(lambda: train(d / "one", "--steps", "3"), lambda: train(d / "sp", "--steps", "3", "--sp", "2", ranks=2))
+    return d
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_two_ranks_with_sp_2_train_the_weights_of_one_process(tmp_path, kind, request):
@@ -193,9 +213,13 @@ def test_two_ranks_with_sp_2_train_the_weights_of_one_process(tmp_path, kind, re
     gradients agree to ~1e-7; AdamW's first step, g / (sqrt(g^2) + eps), turns a rounding-level difference in a
     near-zero gradient into a visible one: 7.6e-6 on one weight of a random MoE.)"""
     extra = [] if kind == "dense" else request.getfixturevalue("moe_run_args")
-    train(tmp_path / "one", "--steps", "3", *extra)
-    train(tmp_path / "sp", "--steps", "3", "--sp", "2", *extra, ranks=2)
-    a, b = records(tmp_path / "one"), records(tmp_path / "sp")
+    if kind == "dense":
+        one, sp = (request.getfixturevalue("dense_runs") / run for run in ("one", "sp"))
+    else:
+        one, sp = tmp_path / "one", tmp_path / "sp"
+        together(lambda: train(one, "--steps", "3", *extra),
+                 lambda: train(sp, "--steps", "3", "--sp", "2", *extra, ranks=2))
+    a, b = records(one), records(sp)
     assert [r["tokens/generated"] for r in a] == [r["tokens/generated"] for r in b]
     assert [r["reward/trained_mean"] for r in a] == [r["reward/trained_mean"] for r in b]
     for r, s in zip(a, b):
@@ -203,21 +227,22 @@ def test_two_ranks_with_sp_2_train_the_weights_of_one_process(tmp_path, kind, re
         assert r.get("rollout/routing_mismatch") == s.get("rollout/routing_mismatch")  # each slice counted once
         assert (r.get("rollout/routing_mismatch") is not None) == (kind == "moe")
         assert r["mpt/masked_frac"] == s["mpt/masked_frac"]
-    moved = rel_diff(weights(tmp_path / "one", 3), load_file(os.path.join(
+    moved = rel_diff(weights(one, 3), load_file(os.path.join(
         extra[1] if extra else os.path.join(ROOT, "tiny_ckpt"), "model.safetensors")))
-    a, b = weights(tmp_path / "one", 3), weights(tmp_path / "sp", 3)
+    a, b = weights(one, 3), weights(sp, 3)
     norm = max(((a[k] - b[k]).norm() / a[k].norm()).item() for k in a)
     largest = max((a[k] - b[k]).abs().max().item() for k in a)
     assert moved > 1e-4 and norm < 1e-5 and largest < 0.1 * 3e-4, (kind, norm, largest, moved)
 
 
 @pytest.mark.slow
-def test_sequence_parallel_run_resumes_exactly(tmp_path):
-    train(tmp_path / "straight", "--steps", "3", "--sp", "2", ranks=2)
-    train(tmp_path / "resumed", "--steps", "2", "--sp", "2", ranks=2)
-    train(tmp_path / "resumed", "--steps", "3", "--sp", "2", "--resume", "auto", ranks=2)
-    a, b = weights(tmp_path / "straight", 3), weights(tmp_path / "resumed", 3)
+def test_sequence_parallel_run_resumes_exactly(dense_runs, tmp_path):
+    """The 3-step run resumed from its step-2 checkpoint into another --out ends where it ended."""
+    sp_run, resumed = dense_runs / "sp", tmp_path / "resumed"
+    train(resumed, "--steps", "3", "--sp", "2", "--resume", str(sp_run / "step_000002"), ranks=2)
+    a, b = weights(sp_run, 3), weights(resumed, 3)
     assert all(torch.equal(a[k], b[k]) for k in a), rel_diff(a, b)
     drop = {"time/step_s", "time/rollout_s", "time/sync_s", "tokens/per_s", "config"}
     clean = lambda recs: [{k: v for k, v in r.items() if k not in drop and not k.startswith("memory/")} for r in recs]
-    assert clean(records(tmp_path / "resumed")) == clean(records(tmp_path / "straight"))
+    assert [r["step"] for r in records(resumed)] == [3]
+    assert clean(records(resumed)) == clean(records(sp_run)[2:])
