@@ -104,11 +104,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def together(*calls):
-    """Call each of `calls` (functions of no arguments that run processes, as run() does) at once, each in a
-    thread of its own, and return their results in order (an exception in one is raised here, after all have
-    ended). Independent runs of one-thread processes overlap on the second core instead of queuing."""
+def together(*calls, at_once: int = 4):
+    """Call each of `calls` (functions of no arguments that run processes, as run() does), `at_once` at a time,
+    each in a thread of its own, and return their results in order (an exception in one is raised here, after all
+    have ended). Independent runs of one-thread processes overlap on the second core instead of queuing, and a
+    torchrun run's other ranks idle while rank 0 rolls out; nothing they check may depend on timing."""
     from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(len(calls)) as pool:
+    with ThreadPoolExecutor(min(at_once, len(calls))) as pool:
         futures = [pool.submit(call) for call in calls]
         return [f.result() for f in futures]

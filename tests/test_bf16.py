@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import kill_group, run, start
-from test_distributed import together
+from conftest import kill_group, run, start, together
+
 import distributed
 import model as model_lib
 import tiny

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import free_port, kill_group, run, start
+from conftest import free_port, kill_group, run, start, together
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow  # torchrun runs of several steps: -m "not slow" skips them
@@ -33,15 +33,6 @@ def train_run(out, *extra, ranks=2):
                env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
-
-
-def together(*launches, at_once=4):
-    """Independent launches (callables), `at_once` at a time, their results in order: a single-process run takes
-    one core, and a torchrun run's other ranks idle while rank 0 rolls out, so side by side they end sooner on
-    2 cores (nothing they check depends on timing)."""
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(min(at_once, len(launches))) as pool:
-        return [f.result() for f in [pool.submit(launch) for launch in launches]]
 
 
 def weights(out, step):

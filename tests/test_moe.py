@@ -7,7 +7,6 @@ meets about half the time: rewards vary, so every update really moves the weight
 
     python -m pytest tests/test_moe.py          # ~4 minutes on 2 cores; vLLM parts skip without vLLM
 """
-import copy
 import json
 import os
 import random

@@ -19,8 +19,8 @@ from routing import Routing
 import seqpar
 import model as model_lib
 import tiny
-from conftest import close_up_to_order, free_port, run
-from test_distributed import records, rel_diff, together, weights
+from conftest import close_up_to_order, free_port, run, together
+from test_distributed import records, rel_diff, weights
 from segment_rollout import Sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
