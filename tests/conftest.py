@@ -2,7 +2,7 @@
 are made locally), and no test or process it starts may hang the suite.
 
     python -m pytest                     # the whole suite; pytest.ini sets a per-test timeout
-    python -m pytest -m "not slow"       # without the tests that train for a minute or more
+    python -m pytest -m "not slow"       # without the tests that start a process: ~30 s
 """
 import os
 import signal
