@@ -1,7 +1,8 @@
 """Where a run's parts go, decided before anything loads: torchrun's ranks and their backend, torch's threads,
 the engines' GPUs, tensor-parallel size and replicas, --sp and --offload-optimizer from the memory plan
 (plan.py), and the checks of the model's config.json against the flags. `start` does it all for train.py;
-`rollout_engine` makes rank 0's engine; eval.py shares `check_context`.
+`load_models` loads the policy and reference whole or (FSDP) sharded, never whole on any rank; `rollout_engine`
+makes rank 0's engine; eval.py shares `check_context`.
 """
 import dataclasses
 import json
