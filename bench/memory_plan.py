@@ -106,10 +106,11 @@ def check(work: str, only: str = "") -> list[dict]:
     return rows
 
 
-def measure_load(model: str, whole: bool) -> dict:
-    """`torchrun ... -m bench plan load --model M [--whole]`: this rank's host-memory peak while loading the
+def measure_load(model: str, whole: bool) -> list[dict]:
+    """`torchrun ... -m bench plan load --model M [--whole]`: each rank's host-memory peak while loading the
     policy for FSDP2, the way train.py does (sharded: meta device, shard, fill this rank's shards a layer at a
-    time), or (--whole) whole on every rank, then sharded."""
+    time), or (--whole) whole on every rank, then sharded. Rank 0 gets every rank's row (the others, none),
+    so the lines print from one process and never interleave."""
     import torch.distributed as dist
 
     import model as model_lib
@@ -124,14 +125,17 @@ def measure_load(model: str, whole: bool) -> dict:
     params = sum(p.numel() for p in lm.parameters())
     row = {"rank": dist.get_rank(), "ranks": dist.get_world_size(), "path": "whole" if whole else "sharded",
            "params": params, "load_peak_mib": round((plan_lib.host_peak() - before) / 2**20)}
+    rows = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(row, rows)
     dist.destroy_process_group()
-    return row
+    return rows or []
 
 
 def bench_plan(args, _unused: list[str]) -> None:
-    """Its own lines, as they come: check's one a run, load's one a rank."""
+    """Its own lines: check's one a run as each ends, load's one a rank from rank 0."""
     if args.command == "load":
-        print(json.dumps(measure_load(args.model, args.whole)), flush=True)
+        for row in measure_load(args.model, args.whole):
+            print(json.dumps(row), flush=True)
     else:
         check(args.dir or tempfile.mkdtemp(prefix="ulorl_plan_"), args.only)
 
