@@ -1,8 +1,9 @@
 """Fixtures and helpers shared by test files, and the environment every test runs in: no hub (models and data
 are made locally), and no test or process it starts may hang the suite.
 
-    python -m pytest                     # the whole suite; pytest.ini sets a per-test timeout
-    python -m pytest -m "not slow"       # without the tests that start a process: ~30 s
+    python -m pytest                     # the whole suite, two files at a time; pytest.ini sets a per-test timeout
+    python -m pytest -m "not slow"       # without the tests that start a process
+    python -m pytest -n 0 tests/X.py     # one file in this process (pdb, prints), at the threads you set
 """
 import os
 import signal
@@ -14,6 +15,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: a test that tries fails at once instead of hanging
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU only, on any machine: --device auto would take a GPU
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest.ini runs two files side by side (pytest-xdist, -n 2): each test and every process it starts takes
+    # one thread, since a thread pool that counts on both cores spins 2-20x longer while its neighbour runs;
+    # vLLM's CPU worker would otherwise bind a thread to every core. -n 0 runs one file at a time, as set.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    torch.set_num_threads(1)
 
 
 def kill_group(proc: subprocess.Popen) -> None:

@@ -54,7 +54,7 @@ def test_a_new_flag_and_metric_need_no_test_edits(tmp_path):
         where = at if name == "config.py" else at + len(anchor)  # the flag goes before dump_samples
         (copy / name).write_text(text[:where] + added + text[where:])
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    tests = run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "tests/test_golden.py",
+    tests = run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "tests/test_golden.py",
                  "tests/test_plot.py", "-k", "not fsdp"], timeout=600, cwd=copy, env=env)
     assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-3000:]
     assert re.search(r"^\d+ passed, 1 deselected in ", tests.stdout, re.M), tests.stdout[-2000:]
