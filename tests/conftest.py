@@ -121,3 +121,15 @@ def together(*calls, at_once: int = 4):
     with ThreadPoolExecutor(min(at_once, len(calls))) as pool:
         futures = [pool.submit(call) for call in calls]
         return [f.result() for f in futures]
+
+
+# the files that take longest on 2 cores (seconds of a run one file at a time), started first so that the two
+# workers of -n 2 end together instead of one finishing a long file alone; files not named follow in pytest's order
+LONGEST_FIRST = ["test_distributed", "test_train", "test_moe", "test_bench", "test_engine_gap", "test_overlap",
+                 "test_experiments", "test_placement", "test_sequence_parallel", "test_bf16", "test_gpu_check",
+                 "test_plan", "test_guide", "test_run_files", "test_vllm", "test_errors", "test_golden"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a file's tests keep their order
