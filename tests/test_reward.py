@@ -20,19 +20,9 @@ import workers
 from sandbox import extract_code
 from reward import extract_answer, math_equal, overlong_reward, score_batch
 from verifiers import tiny_reward
+from faulty import boom, die, hang  # verifiers that raise, kill their worker, or never return
 
 
-# Test verifiers live at module level so that pool workers can import them by name.
-def _hang(response, answer):
-    time.sleep(1e6)
-
-
-def _boom(response, answer):
-    raise RuntimeError(f"boom on {response!r}")
-
-
-def _die(response, answer):
-    os._exit(3)  # like a segfault or the OOM killer
 
 
 # ---------------------------------------------------------------------------- extract_answer
@@ -172,7 +162,7 @@ def test_score_batch_lambda_verifier_is_a_config_error(monkeypatch):
 
 @pytest.mark.slow
 def test_score_batch_counts_errors(monkeypatch):
-    monkeypatch.setitem(reward.VERIFIERS, "boom", _boom)
+    monkeypatch.setitem(reward.VERIFIERS, "boom", boom)
     items = [("tiny", "1:1", "1"), ("boom", "x", "y"), ("tiny", "1:2", "2"), ("boom", "z", "y")]
     with pytest.warns(UserWarning, match="2 of 4 reward checks raised.*boom on"):
         scores, metrics = score_batch(items)
@@ -182,7 +172,7 @@ def test_score_batch_counts_errors(monkeypatch):
 
 @pytest.mark.slow
 def test_score_batch_survives_a_dying_worker(monkeypatch):
-    monkeypatch.setitem(reward.VERIFIERS, "die", _die)
+    monkeypatch.setitem(reward.VERIFIERS, "die", die)
     items = [("tiny", "1:1", "1"), ("die", "x", "y"), ("tiny", "1:2", "2"), ("tiny", "1:2", "3")]
     with pytest.warns(UserWarning, match="worker died"):
         scores, metrics = score_batch(items)
@@ -192,7 +182,7 @@ def test_score_batch_survives_a_dying_worker(monkeypatch):
 
 @pytest.mark.slow
 def test_score_batch_kills_hanging_check_and_recovers(monkeypatch):
-    monkeypatch.setitem(reward.VERIFIERS, "hang", _hang)
+    monkeypatch.setitem(reward.VERIFIERS, "hang", hang)
     score_batch([("tiny", "1:1", "1")] * 2, workers=2)  # start the pool outside the timed part
     items = [("tiny", "3:3", "3"), ("hang", "x", "y"), ("math", r"\boxed{0.25}", "1/4"),
              ("tiny", "3:4", "3"), ("math", r"\boxed{2}", "3"), ("tiny", "5:5", "5")]
@@ -214,7 +204,7 @@ def test_batch_timeout_bounds_the_whole_batch(monkeypatch):
     """6 hanging checks among 10 good ones, 2 workers, 5 s per check: alone, the hanging checks queue behind
     each other (3 rounds of 5 s on 2 workers, ~15-25 s). With batch_timeout 6 s the call returns after ~6 s;
     whatever is left scores 0 and counts as a timeout, and the pool is whole again."""
-    monkeypatch.setitem(reward.VERIFIERS, "hang", _hang)
+    monkeypatch.setitem(reward.VERIFIERS, "hang", hang)
     score_batch([("tiny", "1:1", "1")] * 2, workers=2)  # start the pool outside the timed part
     items = [("hang", "x", "y") if i % 16 < 6 else ("tiny", f"{i}:{i}", str(i)) for i in range(16)]
     start = time.perf_counter()
@@ -566,7 +556,7 @@ def test_judge_rewards_alone_and_second_opinion(judges):
 def test_score_samples_with_a_judge_loaded_by_name(judges):
     """reward.score_samples with a judge that eval.load_judge loads from its directory (what train.py does
     with --verifier-model), on the tiny policy's samples."""
-    import eval as ev  # here, not at the top: pool workers import this file to find _hang & co, and must stay light
+    import eval as ev
     import tiny
     from segment_rollout import Sample
     policy_tok = tiny.make_tokenizer()

@@ -1,0 +1,17 @@
+"""Verifiers that misbehave, for the reward pool's tests: module-level functions in a module that imports
+nothing heavy, since a pool worker imports it by name on its first check, inside that check's time limit (a
+test file importing torch could outlast it on a busy machine)."""
+import os
+import time
+
+
+def hang(response, answer):
+    time.sleep(1e6)
+
+
+def boom(response, answer):
+    raise RuntimeError(f"boom on {response!r}")
+
+
+def die(response, answer):
+    os._exit(3)  # like a segfault or the OOM killer
