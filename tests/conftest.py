@@ -17,7 +17,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: a test that tries f
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU only, on any machine: --device auto would take a GPU
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest.ini runs two files side by side (pytest-xdist, -n 2): each test and every process it starts takes
-    # one thread, since a thread pool that counts on both cores spins 2-20x longer while its neighbour runs;
+    # one thread, since a thread pool that counts on both cores slows 2-20x while its neighbour runs;
     # vLLM's CPU worker would otherwise bind a thread to every core. -n 0 runs one file at a time, as set.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -123,8 +123,8 @@ def together(*calls, at_once: int = 4):
         return [f.result() for f in futures]
 
 
-# the files that take longest on 2 cores (seconds of a run one file at a time), started first so that the two
-# workers of -n 2 end together instead of one finishing a long file alone; files not named follow in pytest's order
+# the files that take longest on 2 cores, longest first (as timed in a run one file at a time), started first so
+# that the two workers of -n 2 end together instead of one finishing a long file alone; the rest follow in pytest's order
 LONGEST_FIRST = ["test_distributed", "test_train", "test_moe", "test_bench", "test_engine_gap", "test_overlap",
                  "test_experiments", "test_placement", "test_sequence_parallel", "test_bf16", "test_gpu_check",
                  "test_plan", "test_guide", "test_run_files", "test_vllm", "test_errors", "test_golden"]
