@@ -5,9 +5,11 @@ are made locally), and no test or process it starts may hang the suite.
     python -m pytest -m "not slow"       # without the tests that start a process
     python -m pytest -n 0 tests/X.py     # one file in this process (pdb, prints), at the threads you set
 """
+import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -52,6 +54,16 @@ def run(cmd: list[str], timeout: float, cwd=ROOT, env=None) -> subprocess.Comple
         for pipe in (proc.stdout, proc.stderr):
             pipe.close()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_many(script: str, runs: list[list[str]], timeout: float, env=None) -> list[subprocess.CompletedProcess]:
+    """`python SCRIPT ARGS` for each ARGS of `runs`, in one process (tests/entries.py): for commands that stop
+    before loading a model, whose cost is mostly Python's start and torch's import. The runs share that process,
+    so one that leaves state behind (a loaded model, a changed global) would be seen by the next."""
+    p = run([sys.executable, os.path.join(ROOT, "tests", "entries.py"), script, json.dumps(runs)], timeout, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [subprocess.CompletedProcess([script, *args], r["returncode"], r["stdout"], r["stderr"])
+            for args, r in zip(runs, map(json.loads, p.stdout.splitlines()[-len(runs):]))]
 
 
 def hub_cache(root, name: str, files: str) -> dict:

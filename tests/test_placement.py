@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, hub_cache, run
+from conftest import ROOT, hub_cache, run, run_many
 from routing import routing_dtype
 import model as model_lib
 import plan as plan_lib
@@ -99,12 +99,10 @@ def test_the_ulorl_preset_reaches_its_context_and_a_short_model_is_an_error(tmp_
     config = model_lib.model_config(QWEN3_30B, cfg.rope_scaling_factor, cfg.rope_original_max_positions)
     assert config.max_position_embeddings == 133120 == cfg.max_prompt_len + cfg.max_response_len
     assert config.rope_parameters["original_max_position_embeddings"] == 32768  # Qwen3's native length
-    plan = run([sys.executable, "train.py", "--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus",
-                "6,7", "--plan"], timeout=120, env=env)
+    headline = ["--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus", "6,7", "--plan"]
+    plan, short = run_many("train.py", [headline, headline + ["--rope-scaling-factor", "0"]], timeout=120, env=env)
     assert plan.returncode == 0, plan.stderr[-2000:]
     assert "memory plan (6 trainer rank(s), cuda; --sp 1," in plan.stdout and "KV cache, 1 sample" in plan.stdout
-    short = run([sys.executable, "train.py", "--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus",
-                 "6,7", "--plan", "--rope-scaling-factor", "0"], timeout=120, env=env)
     assert short.returncode == 1 and "Traceback" not in short.stderr
     assert ("--max-prompt-len 2048 + --max-response-len 131072 = 133120 positions, but --model Qwen/Qwen3-30B-A3B "
             "takes 40960") in short.stderr and "--rope-scaling-factor 3.25" in short.stderr
@@ -141,28 +139,27 @@ def test_a_plan_for_a_target_gpu_from_any_machine(tmp_path):
     ulorl preset leaves --sp and --offload-optimizer at auto, and the plan picks: on 8 H200s (6 trainer ranks),
     sequence parallelism over 2 ranks; on 8 x 80 GB, that and the optimizer state in host memory; ProRL's 1.5B
     at 16k needs neither. Without it a laptop cannot say."""
+    hub_cache(tmp_path, "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+              os.path.join(ROOT, "tests", "configs", "DeepSeek-R1-Distill-Qwen-1.5B"))  # ProRL's model, same cache
     env = dict(os.environ, **hub_cache(tmp_path, "Qwen/Qwen3-30B-A3B", QWEN3_30B), WORLD_SIZE="6")
-    headline = [sys.executable, "train.py", "--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus",
-                "6,7", "--plan"]
-    h200 = run(headline + ["--device-memory", "141"], timeout=120, env=env)
+    headline = ["--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus", "6,7", "--plan"]
+    h200, h100, fixed, unknown, small = run_many("train.py", [
+        headline + ["--device-memory", "141"],
+        headline + ["--device-memory", "80"],
+        headline + ["--device-memory", "141", "--sp", "1", "--offload-optimizer", "false"],  # fixed by hand
+        headline,
+        ["--preset", "prorl", "--max-response-len", "16384", "--rollout-gpus", "6,7", "--plan", "--device-memory", "80"],
+    ], timeout=120, env=env)
     assert h200.returncode == 0, h200.stderr[-2000:]
     assert "--sp 2, --offload-optimizer false, --attn-implementation varlen" in h200.stdout
     assert "verdict: fits in 131.3 GiB" in h200.stdout, h200.stdout
-    h100 = run(headline + ["--device-memory", "80"], timeout=120, env=env)
     assert h100.returncode == 0 and "--sp 2, --offload-optimizer true," in h100.stdout
     assert "verdict: fits in 74.5 GiB" in h100.stdout and "offloaded optimizer state" in h100.stdout, h100.stdout
     # the same flags fixed by hand: without sequence parallelism 128k does not fit, and the plan says what would
-    fixed = run(headline + ["--device-memory", "141", "--sp", "1", "--offload-optimizer", "false"], timeout=120, env=env)
     assert fixed.returncode == 0 and "verdict: the trainer needs 150.9 GiB per GPU, more than the 124.8 GiB it may " \
                                      "use of 131.3 GiB: try" in fixed.stdout, fixed.stdout
     assert "--offload-optimizer true" in fixed.stdout and "--sp N" in fixed.stdout
-    unknown = run(headline, timeout=120, env=env)
     assert "give it, e.g. --device-memory 141" in unknown.stdout
-    prorl = dict(os.environ, **hub_cache(tmp_path / "prorl", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
-                                         os.path.join(ROOT, "tests", "configs", "DeepSeek-R1-Distill-Qwen-1.5B")),
-                 WORLD_SIZE="6")
-    small = run([sys.executable, "train.py", "--preset", "prorl", "--max-response-len", "16384", "--rollout-gpus", "6,7",
-                 "--plan", "--device-memory", "80"], timeout=120, env=prorl)
     assert small.returncode == 0 and "--sp 1, --offload-optimizer false" in small.stdout
     assert "verdict: fits in 74.5 GiB" in small.stdout, small.stdout
 

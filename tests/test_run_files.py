@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from conftest import kill_group, run, start
+from conftest import kill_group, run, run_many, start
 import checkpoint
 import outdir
 
@@ -87,14 +87,16 @@ def test_links_inside_out_are_refused_and_nothing_is_written_through_them(tmp_pa
     the run create files (holding the data's answers) outside --out."""
     victim = tmp_path / "victim"
     victim.write_text("precious")
-    for name, target in ((".lock", victim), ("metrics.jsonl", tmp_path / "created")):
-        out = tmp_path / f"out-{name}"
-        out.mkdir()
-        os.symlink(target, out / name)
-        p = run([sys.executable, "train.py", *RUN, "--steps", "1", "--out", str(out), "--resume", "auto"],
-                timeout=120, env=ENV)
+    links = {tmp_path / f"out-{name}" / name: target for name, target in ((".lock", victim),
+                                                                          ("metrics.jsonl", tmp_path / "created"))}
+    for link, target in links.items():
+        link.parent.mkdir()
+        os.symlink(target, link)
+    refused = run_many("train.py", [[*RUN, "--steps", "1", "--out", str(link.parent), "--resume", "auto"]
+                                    for link in links], timeout=120, env=ENV)
+    for link, p in zip(links, refused):
         assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
-        assert f"{out / name} is a symbolic link" in p.stderr, p.stderr[-2000:]
+        assert f"{link} is a symbolic link" in p.stderr, p.stderr[-2000:]
     assert victim.read_text() == "precious" and not (tmp_path / "created").exists()
     with pytest.raises(ValueError, match="is a symbolic link"):  # a link that appears after the check
         outdir.open_run_file(str(tmp_path / "out-.lock" / ".lock"), "a+")
