@@ -4,7 +4,7 @@ error when a model cannot reach a context, the memory vLLM is given, and what --
 functions and --plan runs on a local copy of Qwen3-30B-A3B's config.json in a Hugging Face cache layout: nothing
 is downloaded or loaded.
 
-    python -m pytest tests/test_placement.py        # ~20 s
+    python -m pytest -n 0 tests/test_placement.py   # ~25 s
 """
 import dataclasses
 import os
