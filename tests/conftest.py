@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -40,10 +41,18 @@ def start(cmd: list[str], **kw) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=kw.pop("cwd", ROOT), start_new_session=True, **kw)
 
 
-def run(cmd: list[str], timeout: float, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
+def run(cmd: list[str], timeout: float, cwd=ROOT, env=None, warm=True) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) in a process group of its own, which
     is killed whole when the command ends, times out or the test is interrupted (pytest-timeout): no
-    grandchild outlives its test. A command that times out raises subprocess.TimeoutExpired."""
+    grandchild outlives its test. A command that times out raises subprocess.TimeoutExpired. `python SCRIPT`,
+    `-m MODULE` and `-c CODE` of the project, and torchrun's workers running them, are children forked from a
+    warm interpreter (tests/warm.py) unless `warm` is False."""
+    env = dict(os.environ if env is None else env)
+    if warm and warm_eligible(cmd, cwd):
+        return warm_run(cmd, timeout, str(cwd), env)
+    workers = warm and warm_workers(cmd, cwd)
+    if workers:  # torchrun's workers, each a child of the warm interpreter
+        cmd, env = workers, dict(env, ULORL_WARM_SOCKET=warm_interpreter(env))
     proc = start(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -56,14 +65,86 @@ def run(cmd: list[str], timeout: float, cwd=ROOT, env=None) -> subprocess.Comple
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+# read only while a process runs, never while Python and the libraries start: a warm interpreter serves commands
+# that differ from it in these alone; any other difference (threads, Hugging Face's cache, PYTHONPATH) gets one of its own
+RUNTIME_ENV = ("PYTEST_", "VLLM_", "ULORL_WARM_SOCKET")
+WARM: dict = {}  # environment (less RUNTIME_ENV) -> (process, socket path) of a warm interpreter started with it
+WARM_LIMIT = 2  # each holds torch and transformers in memory: the oldest goes when a third environment comes
+WARM_LOCK = threading.Lock()  # together() asks from several threads at once
+
+
+def warm_eligible(cmd: list[str], cwd) -> bool:
+    """Whether `cmd` is the interpreter running the project's own code from the project's folder: a script in the
+    project's top folder, `-m` of a module there (bench), or `-c`."""
+    if os.environ.get("ULORL_TESTS_COLD") or len(cmd) < 2 or cmd[0] != sys.executable \
+            or os.path.realpath(cwd) != os.path.realpath(ROOT):
+        return False
+    if cmd[1] == "-c":
+        return len(cmd) >= 3
+    if cmd[1] == "-m":
+        return len(cmd) >= 3 and cmd[2].split(".")[0] == "bench"
+    script = os.path.realpath(os.path.join(str(cwd), cmd[1]))
+    return cmd[1].endswith(".py") and os.path.dirname(script) == os.path.realpath(ROOT)
+
+
+def warm_workers(cmd: list[str], cwd) -> list[str] | None:
+    """`cmd` with tests/warm.py --client before the script, if it is torchrun (python -m torch.distributed.run)
+    starting the project's script or `-m bench`: its workers then run as children of a warm interpreter."""
+    if os.environ.get("ULORL_TESTS_COLD") or cmd[:3] != [sys.executable, "-m", "torch.distributed.run"]:
+        return None
+    client = [os.path.join(ROOT, "tests", "warm.py"), "--client"]
+    for i, arg in enumerate(cmd[3:], 3):
+        if arg == "-m" or arg.endswith(".py"):  # the script, or torchrun's -m before a module's name
+            return [*cmd[:i], *client, *cmd[i:]] if warm_eligible([sys.executable, *cmd[i:]], cwd) else None
+    return None
+
+
+def warm_interpreter(env: dict) -> str:
+    """The socket of the warm interpreter for `env`, started (and waited for: it imports) if none is running."""
+    key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith(RUNTIME_ENV)))
+    with WARM_LOCK:
+        return _warm_interpreter(key, env)
+
+
+def _warm_interpreter(key: tuple, env: dict) -> str:
+    if key in WARM and WARM[key][0].poll() is None:
+        return WARM[key][1]
+    while len(WARM) >= WARM_LIMIT:
+        kill_group(WARM.pop(next(iter(WARM)))[0])
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(prefix="ulorl-warm-"), "socket")
+    proc = start([sys.executable, os.path.join(ROOT, "tests", "warm.py"), path], env=env, stdout=subprocess.PIPE,
+                 text=True)
+    if proc.stdout.readline().strip() != "ready":
+        proc.wait()
+        raise RuntimeError(f"the warm interpreter did not start (exit {proc.returncode})")
+    WARM[key] = proc, path
+    return path
+
+
+def warm_run(cmd: list[str], timeout: float, cwd: str, env: dict) -> subprocess.CompletedProcess:
+    """run() of `cmd` as a child of the warm interpreter for `env` (same result, same process group rules)."""
+    import tempfile
+    import warm
+    pid = []
+    with tempfile.TemporaryFile("w+", errors="replace") as out, tempfile.TemporaryFile("w+", errors="replace") as err, \
+            open(os.devnull) as null:
+        try:
+            returncode = warm.request(warm_interpreter(env), cmd[1:], cwd, env, [null.fileno(), out.fileno(), err.fileno()],
+                                      timeout, started=pid.append)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        finally:
+            if pid:  # the child's session: it and everything it started
+                warm.kill(pid[0])
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, returncode, out.read(), err.read())
+
+
 def run_many(script: str, runs: list[list[str]], timeout: float, env=None) -> list[subprocess.CompletedProcess]:
-    """`python SCRIPT ARGS` for each ARGS of `runs`, in one process (tests/entries.py): for commands that stop
-    before loading a model, whose cost is mostly Python's start and torch's import. The runs share that process,
-    so one that leaves state behind (a loaded model, a changed global) would be seen by the next."""
-    p = run([sys.executable, os.path.join(ROOT, "tests", "entries.py"), script, json.dumps(runs)], timeout, env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return [subprocess.CompletedProcess([script, *args], r["returncode"], r["stdout"], r["stderr"])
-            for args, r in zip(runs, map(json.loads, p.stdout.splitlines()[-len(runs):]))]
+    """`python SCRIPT ARGS` for each ARGS of `runs`, one after another (each a child of the same warm interpreter)."""
+    return [run([sys.executable, script, *args], timeout, env=env) for args in runs]
 
 
 def hub_cache(root, name: str, files: str) -> dict:
