@@ -29,9 +29,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL `proc` and everything it started (torchrun's workers, vLLM's engine, reward workers): it was
-    started in a session of its own, so its process group holds them all."""
+    started in a session of its own, so its process group holds them all. Returns once they are gone (an --out
+    lock is released only then: a run started at once on the same folder would find it held)."""
+    import time
+    deadline = time.time() + 30
     try:
         os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.wait()
+        while time.time() < deadline:
+            os.killpg(proc.pid, 0)  # raises once no process of the group is left
+            time.sleep(0.02)
     except ProcessLookupError:
         pass
 
@@ -214,6 +222,18 @@ def together(*calls, at_once: int = 4):
     with ThreadPoolExecutor(min(at_once, len(calls))) as pool:
         futures = [pool.submit(call) for call in calls]
         return [f.result() for f in futures]
+
+
+def spawn(func, world: int, *args, timeout: float = 300) -> None:
+    """func(rank, world, *args) in `world` processes at once (a gloo group's ranks), as torch.multiprocessing.spawn
+    runs it, but each a child of the warm interpreter instead of a fresh one that imports torch again; `func`
+    lives at the top of a test file and `args` are plain values (their repr is Python). Raises if one fails."""
+    code = (f"import sys; sys.path[:0] = [{os.path.dirname(os.path.abspath(__file__))!r}]; "
+            f"import {func.__module__} as m; m.{func.__name__}(int(sys.argv[1]), {world}, *{args!r})")
+    procs = together(*(lambda rank=rank: run([sys.executable, "-c", code, str(rank)], timeout)
+                       for rank in range(world)), at_once=world)
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank}: " + proc.stderr[-3000:]
 
 
 # the files that take longest on 2 cores, longest first (as timed in a run one file at a time), started first so

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import free_port, kill_group, run, start, together
+from conftest import free_port, kill_group, run, spawn, start, together
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow  # torchrun runs of several steps: -m "not slow" skips them
@@ -262,11 +262,10 @@ def _offload_worker(rank, world, port):
 
 def test_sharded_checkpoint_resumes_exactly_with_the_optimizer_offloaded(runs, from_step_2):
     """The 4-step run resumed from its step-2 checkpoint into another --out, with --offload-optimizer true:
-    FSDP2's CPUOffloadPolicy on every sharded module (checked on 2 spawned ranks); on CPU it moves nothing
+    FSDP2's CPUOffloadPolicy on every sharded module (checked on 2 ranks of a gloo group); on CPU it moves nothing
     (pin_memory off), so the resumed run ends bit for bit where the straight one without it ended (what it
     saves on a GPU, the GPU check measures). One launch for both: a difference in either fails it."""
-    import torch.multiprocessing as mp
-    mp.spawn(_offload_worker, (2, free_port()), nprocs=2)
+    spawn(_offload_worker, 2, free_port())
     saved, out, proc = from_step_2["saved"], from_step_2["out"], from_step_2["resumed"]
     assert {"trainer_state_rank0.pt", "trainer_state_rank1.pt"} <= set(os.listdir(saved))
     assert "optimizer state in host memory" in proc.stdout and f"resumed from {saved} at step 2" in proc.stdout

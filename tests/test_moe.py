@@ -20,7 +20,6 @@ from safetensors.torch import load_file
 from conftest import run, together
 import model as model_lib
 import tiny
-from engine import Sampling, process_logits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow  # MoE runs with vLLM and torchrun: -m "not slow" skips them
@@ -63,39 +62,12 @@ def weights(out, step):
     return load_file(os.path.join(out, f"step_{step:06d}", "model.safetensors"))
 
 
-def naive_logprobs(model, prompt, tokens):
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
-    return process_logits(logits, Sampling(1.0)).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
-
-
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
-@pytest.mark.parametrize("own_process", [False, True], ids=["in_process", "own_process"])
-def test_vllm_engine_follows_moe_weights(moe, own_process):
-    """After each of 3 updates (every weight perturbed), continued samples' engine log-probs equal the
-    trainer's (1e-4). A plain reload left the experts out of vLLM's CPU layout: 0.06 nats off."""
-    from engine import VLLMEngine
-    lm, tok = model_lib.load(str(moe[0]))
-    engine = VLLMEngine(str(moe[0]), seed=0, dtype="float32", max_model_len=256, mem=0.25, device="cpu",
-                        own_process=own_process)
-    prompts = [tok("+".join(str((i * 7 + j) % 9 + 1) for j in range(60 + i)) + "=").input_ids for i in range(4)]
-    seqs = [p + g.tokens for p, g in zip(prompts, engine.generate(prompts, [8] * 4, Sampling(1.0)))]
-    g = torch.Generator().manual_seed(0)
-    for update in range(3):
-        with torch.no_grad():
-            for p in lm.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 0.3 * p.std())
-        engine.update_weights(lm)
-        gens = engine.generate(seqs, [12] * len(seqs), Sampling(1.0))
-        for seq, gen in zip(seqs, gens):
-            assert gen.tokens
-            gap = (naive_logprobs(lm, seq, gen.tokens) - torch.tensor(gen.logprobs)).abs().max().item()
-            assert gap < 1e-4, f"update {update}: engine vs trainer gap {gap:.2e}"
-        seqs = [s + gen.tokens for s, gen in zip(seqs, gens)]
-
-
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_moe_trains_with_vllm_in_one_process_and_two_fsdp_ranks(moe, tmp_path):
+    """vLLM in this process (one trainer) and in a process of its own (rank 0 of two FSDP2 ranks): after every
+    sync, samples continued from the last step decode with the new weights, and the engine's log-probs of the
+    current weights' tokens equal the trainer's (1e-4). A plain reload left the experts in a layout vLLM's CPU
+    path no longer reads (1.5-3.4 nats off), a stale prefix cache the continued samples' KV of old weights."""
     one, two = together(lambda: train(tmp_path / "one", *moe, "--steps", "3", "--engine", "vllm"),
                         lambda: train(tmp_path / "two", *moe, "--steps", "3", "--engine", "vllm", "--parallel", "fsdp",
                                       ranks=2))

@@ -12,14 +12,13 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from routing import Routing
 import seqpar
 import model as model_lib
 import tiny
-from conftest import close_up_to_order, free_port, run, together
+from conftest import close_up_to_order, free_port, run, spawn, together
 from test_distributed import records, rel_diff, weights
 from segment_rollout import Sample
 
@@ -139,7 +138,7 @@ def test_ranks_holding_slices_give_the_whole_forward_and_backward(tmp_path, sp, 
     gradients add up to one process's. Dense, MoE, and MoE whose routers replay given experts (--routing-replay:
     each rank its slice of the row's)."""
     out = tmp_path / "sp.pt"
-    mp.spawn(_sp_worker, (sp, free_port(), kinds, str(out)), nprocs=sp)
+    spawn(_sp_worker, sp, free_port(), kinds, str(out))
     for moe, (lp, ent, grads) in zip(kinds, torch.load(out), strict=True):
         one = forward_backward(make(moe, "sdpa"), model_lib.collate(samples(routed=moe == "replay"), 0, pack=True))
         if moe == "replay":  # the replayed experts changed the forward
