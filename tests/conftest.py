@@ -28,20 +28,53 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL `proc` and everything it started (torchrun's workers, vLLM's engine, reward workers): it was
-    started in a session of its own, so its process group holds them all. Returns once they are gone (an --out
-    lock is released only then: a run started at once on the same folder would find it held)."""
+    """SIGKILL `proc` and everything it started: its process group (it was started in a session of its own: vLLM's
+    engine, reward workers) and every process below it, also those in sessions of their own (torchrun starts each
+    worker in one). Returns once they are dead: an --out lock is released only then, and a run started at once on
+    the same folder would find it held."""
     import time
-    deadline = time.time() + 30
+    tree = [proc.pid, *descendants(proc.pid)]
     try:
         os.killpg(proc.pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.wait()
-        while time.time() < deadline:
-            os.killpg(proc.pid, 0)  # raises once no process of the group is left
-            time.sleep(0.02)
     except ProcessLookupError:
         pass
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.wait()
+    deadline = time.time() + 30
+    while any(alive(pid) for pid in tree) and time.time() < deadline:
+        time.sleep(0.02)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (children, theirs, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie has closed its files: not alive)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def start(cmd: list[str], **kw) -> subprocess.Popen:
@@ -58,14 +91,17 @@ def run(cmd: list[str], timeout: float, cwd=ROOT, env=None, warm=True) -> subpro
     env = dict(os.environ if env is None else env)
     if warm and warm_eligible(cmd, cwd):
         return warm_run(cmd, timeout, str(cwd), env)
-    workers = warm and warm_workers(cmd, cwd)
+    workers, interpreter = warm and warm_workers(cmd, cwd), None
     if workers:  # torchrun's workers, each a child of the warm interpreter
-        cmd, env = workers, dict(env, ULORL_WARM_SOCKET=warm_interpreter(env))
+        interpreter = warm_interpreter(env)
+        cmd, env = workers, dict(env, ULORL_WARM_SOCKET=interpreter["socket"])
     proc = start(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
         kill_group(proc)
+        if interpreter:
+            warm_done(interpreter)
         if proc.poll() is None:
             proc.wait()
         for pipe in (proc.stdout, proc.stderr):
@@ -76,8 +112,8 @@ def run(cmd: list[str], timeout: float, cwd=ROOT, env=None, warm=True) -> subpro
 # read only while a process runs, never while Python and the libraries start: a warm interpreter serves commands
 # that differ from it in these alone; any other difference (threads, Hugging Face's cache, PYTHONPATH) gets one of its own
 RUNTIME_ENV = ("PYTEST_", "VLLM_", "ULORL_WARM_SOCKET")
-WARM: dict = {}  # environment (less RUNTIME_ENV) -> (process, socket path) of a warm interpreter started with it
-WARM_LIMIT = 2  # each holds torch and transformers in memory: the oldest goes when a third environment comes
+WARM: dict = {}  # environment (less RUNTIME_ENV) -> the warm interpreter started with it
+WARM_LIMIT = 2  # each holds torch and transformers in memory (~0.5 GB)
 WARM_LOCK = threading.Lock()  # together() asks from several threads at once
 
 
@@ -107,42 +143,49 @@ def warm_workers(cmd: list[str], cwd) -> list[str] | None:
     return None
 
 
-def warm_interpreter(env: dict) -> str:
-    """The socket of the warm interpreter for `env`, started (and waited for: it imports) if none is running."""
+def warm_interpreter(env: dict) -> dict:
+    """The warm interpreter for `env` ({"proc", "socket", "busy"}), started (and waited for: it imports) if none is
+    running; counted busy until warm_done(). An idle one is stopped when a new one would pass WARM_LIMIT."""
     key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith(RUNTIME_ENV)))
     with WARM_LOCK:
-        return _warm_interpreter(key, env)
+        if key not in WARM or WARM[key]["proc"].poll() is not None:
+            for old in [k for k, w in WARM.items() if w["busy"] == 0][:max(0, len(WARM) + 1 - WARM_LIMIT)]:
+                kill_group(WARM.pop(old)["proc"])
+            WARM[key] = start_warm(env)
+        WARM[key]["busy"] += 1
+        return WARM[key]
 
 
-def _warm_interpreter(key: tuple, env: dict) -> str:
-    if key in WARM and WARM[key][0].poll() is None:
-        return WARM[key][1]
-    while len(WARM) >= WARM_LIMIT:
-        kill_group(WARM.pop(next(iter(WARM)))[0])
+def warm_done(interpreter: dict) -> None:
+    with WARM_LOCK:
+        interpreter["busy"] -= 1
+
+
+def start_warm(env: dict) -> dict:
     import tempfile
     path = os.path.join(tempfile.mkdtemp(prefix="ulorl-warm-"), "socket")
-    proc = start([sys.executable, os.path.join(ROOT, "tests", "warm.py"), path], env=env, stdout=subprocess.PIPE,
-                 text=True)
+    proc = start([sys.executable, os.path.join(ROOT, "tests", "warm.py"), path], env=env, stdin=subprocess.DEVNULL,
+                 stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":
         proc.wait()
         raise RuntimeError(f"the warm interpreter did not start (exit {proc.returncode})")
-    WARM[key] = proc, path
-    return path
+    return {"proc": proc, "socket": path, "busy": 0}
 
 
 def warm_run(cmd: list[str], timeout: float, cwd: str, env: dict) -> subprocess.CompletedProcess:
     """run() of `cmd` as a child of the warm interpreter for `env` (same result, same process group rules)."""
     import tempfile
     import warm
-    pid = []
+    pid, interpreter = [], warm_interpreter(env)
     with tempfile.TemporaryFile("w+", errors="replace") as out, tempfile.TemporaryFile("w+", errors="replace") as err, \
             open(os.devnull) as null:
         try:
-            returncode = warm.request(warm_interpreter(env), cmd[1:], cwd, env, [null.fileno(), out.fileno(), err.fileno()],
-                                      timeout, started=pid.append)
+            returncode = warm.request(interpreter["socket"], cmd[1:], cwd, env,
+                                      [null.fileno(), out.fileno(), err.fileno()], timeout, started=pid.append)
         except TimeoutError:
             raise subprocess.TimeoutExpired(cmd, timeout)
         finally:
+            warm_done(interpreter)
             if pid:  # the child's session: it and everything it started
                 warm.kill(pid[0])
         out.seek(0)

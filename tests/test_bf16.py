@@ -10,7 +10,6 @@ import copy
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -65,9 +64,7 @@ def kill_and_resume(out, ranks, *extra):
             time.sleep(0.05)
         time.sleep(random.Random().uniform(0, 1.0))  # mid-rollout, mid-update or mid-save
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        kill_group(proc)
+        kill_group(proc)  # every process of it, torchrun's workers too
     return train(out, ranks, *extra, "--resume", "auto")
 
 

@@ -122,7 +122,7 @@ def runs(tmp_path_factory):
     moe = moe_files(d)
     names = ("stale", "stale-overlap", "moe")
     small = ["--train-groups", "4", "--prompts-per-step", "4"]
-    done = together(lambda: train(d / "stale", "--steps", "8", stale_from=4),
+    done = together(lambda: train(d / "stale", "--steps", "8", stale_from=5),
                     lambda: train(d / "stale-overlap", "--steps", "10", "--overlap", "1", "--is-mode", "sais", *small,
                                   stale_from=3),
                     lambda: train(d / "moe", *moe))
@@ -133,12 +133,12 @@ def runs(tmp_path_factory):
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_a_healthy_bf16_run_passes_and_a_stale_engine_stops_it(runs):
     """The tiny default (lr 3e-4) in bf16 with vLLM: every step passes the check at its default settings while the
-    engine gets its weights (4 steps: the recent median has a history); from the 4th sync on it gets none, and
-    the run stops at step 5, before its update, saying the engine is stale (one update of the tiny default is
+    engine gets its weights (5 steps: the recent median has its history); from the 5th sync on it gets none, and
+    the run stops at step 6, before its update, saying the engine is stale (one update of the tiny default is
     ~30x the bf16 noise)."""
     proc, recs = runs["stale"]
     assert proc.returncode != 0
-    assert [r["step"] for r in recs] == [1, 2, 3, 4]  # step 5 stopped before its update, and logged nothing
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]  # step 6 stopped before its update, and logged nothing
     kl = [r["rollout/engine_kl"] for r in recs]
     assert all(0 < k < 1e-3 for k in kl), kl
     for r in recs:
