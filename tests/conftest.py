@@ -5,9 +5,7 @@ are made locally), and no test or process it starts may hang the suite.
     python -m pytest -m "not slow"       # without the tests that start a process
     python -m pytest -n 0 tests/X.py     # one file in this process (pdb, prints), at the threads you set
 """
-import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -33,48 +31,13 @@ def kill_group(proc: subprocess.Popen) -> None:
     worker in one). Returns once they are dead: an --out lock is released only then, and a run started at once on
     the same folder would find it held."""
     import time
-    tree = [proc.pid, *descendants(proc.pid)]
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    import warm
+    tree = warm.kill(proc.pid)
     if proc.poll() is None:
         proc.wait()
     deadline = time.time() + 30
-    while any(alive(pid) for pid in tree) and time.time() < deadline:
+    while any(map(warm.alive, tree)) and time.time() < deadline:
         time.sleep(0.02)
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes below `pid` (children, theirs, ...), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` still runs (a zombie has closed its files: not alive)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def start(cmd: list[str], **kw) -> subprocess.Popen:
@@ -86,22 +49,23 @@ def run(cmd: list[str], timeout: float, cwd=ROOT, env=None, warm=True) -> subpro
     """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) in a process group of its own, which
     is killed whole when the command ends, times out or the test is interrupted (pytest-timeout): no
     grandchild outlives its test. A command that times out raises subprocess.TimeoutExpired. `python SCRIPT`,
-    `-m MODULE` and `-c CODE` of the project, and torchrun's workers running them, are children forked from a
-    warm interpreter (tests/warm.py) unless `warm` is False."""
+    `-m MODULE` and `-c CODE` of the project, and torchrun running them (its workers too), are children forked
+    from a warm interpreter (tests/warm.py) unless `warm` is False."""
     env = dict(os.environ if env is None else env)
     if warm and warm_eligible(cmd, cwd):
         return warm_run(cmd, timeout, str(cwd), env)
-    workers, interpreter = warm and warm_workers(cmd, cwd), None
-    if workers:  # torchrun's workers, each a child of the warm interpreter
-        interpreter = warm_interpreter(env)
-        cmd, env = workers, dict(env, ULORL_WARM_SOCKET=interpreter["socket"])
+    workers = warm and warm_workers(cmd, cwd)
+    if workers:  # torchrun and its workers, each a child of the warm interpreter
+        interpreter = warm_interpreter(env, cwd)
+        try:
+            return warm_run(workers, timeout, str(cwd), dict(env, ULORL_WARM_SOCKET=interpreter["socket"]))
+        finally:
+            warm_done(interpreter)
     proc = start(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
         kill_group(proc)
-        if interpreter:
-            warm_done(interpreter)
         if proc.poll() is None:
             proc.wait()
         for pipe in (proc.stdout, proc.stderr):
@@ -118,17 +82,19 @@ WARM_LOCK = threading.Lock()  # together() asks from several threads at once
 
 
 def warm_eligible(cmd: list[str], cwd) -> bool:
-    """Whether `cmd` is the interpreter running the project's own code from the project's folder: a script in the
-    project's top folder, `-m` of a module there (bench), or `-c`."""
+    """Whether `cmd` is the interpreter running a project's own code from its top folder `cwd` (this checkout, or a
+    copy that has tests/warm.py): a script there or a test's own script outside the project, `-m` of the
+    benchmarks, or `-c`. (Scripts in the project's subfolders, tests/gpu/ and experiments/, start fresh: they
+    find the project's modules themselves.)"""
+    root = os.path.realpath(cwd)
     if os.environ.get("ULORL_TESTS_COLD") or len(cmd) < 2 or cmd[0] != sys.executable \
-            or os.path.realpath(cwd) != os.path.realpath(ROOT):
+            or not os.path.exists(os.path.join(root, "tests", "warm.py")):
         return False
-    if cmd[1] == "-c":
-        return len(cmd) >= 3
-    if cmd[1] == "-m":
-        return len(cmd) >= 3 and cmd[2].split(".")[0] == "bench"
-    script = os.path.realpath(os.path.join(str(cwd), cmd[1]))
-    return cmd[1].endswith(".py") and os.path.dirname(script) == os.path.realpath(ROOT)
+    if cmd[1] in ("-c", "-m"):
+        return len(cmd) >= 3 and (cmd[1] == "-c" or cmd[2].split(".")[0] == "bench")
+    folder = os.path.dirname(os.path.realpath(os.path.join(root, cmd[1])))
+    return cmd[1].endswith(".py") and (folder == root or not folder.startswith(root + os.sep)
+                                       and not os.path.exists(os.path.join(folder, "train.py")))
 
 
 def warm_workers(cmd: list[str], cwd) -> list[str] | None:
@@ -136,22 +102,23 @@ def warm_workers(cmd: list[str], cwd) -> list[str] | None:
     starting the project's script or `-m bench`: its workers then run as children of a warm interpreter."""
     if os.environ.get("ULORL_TESTS_COLD") or cmd[:3] != [sys.executable, "-m", "torch.distributed.run"]:
         return None
-    client = [os.path.join(ROOT, "tests", "warm.py"), "--client"]
+    client = [os.path.join(os.path.realpath(cwd), "tests", "warm.py"), "--client"]
     for i, arg in enumerate(cmd[3:], 3):
         if arg == "-m" or arg.endswith(".py"):  # the script, or torchrun's -m before a module's name
             return [*cmd[:i], *client, *cmd[i:]] if warm_eligible([sys.executable, *cmd[i:]], cwd) else None
     return None
 
 
-def warm_interpreter(env: dict) -> dict:
-    """The warm interpreter for `env` ({"proc", "socket", "busy"}), started (and waited for: it imports) if none is
-    running; counted busy until warm_done(). An idle one is stopped when a new one would pass WARM_LIMIT."""
-    key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith(RUNTIME_ENV)))
+def warm_interpreter(env: dict, root: str) -> dict:
+    """The warm interpreter of the project in `root` for `env` ({"proc", "socket", "busy"}), started (and waited
+    for: it imports) if none is running; counted busy until warm_done(). An idle one is stopped when a new one
+    would pass WARM_LIMIT."""
+    key = (os.path.realpath(root), *sorted((k, v) for k, v in env.items() if not k.startswith(RUNTIME_ENV)))
     with WARM_LOCK:
         if key not in WARM or WARM[key]["proc"].poll() is not None:
             for old in [k for k, w in WARM.items() if w["busy"] == 0][:max(0, len(WARM) + 1 - WARM_LIMIT)]:
                 kill_group(WARM.pop(old)["proc"])
-            WARM[key] = start_warm(env)
+            WARM[key] = start_warm(env, key[0])
         WARM[key]["busy"] += 1
         return WARM[key]
 
@@ -161,11 +128,11 @@ def warm_done(interpreter: dict) -> None:
         interpreter["busy"] -= 1
 
 
-def start_warm(env: dict) -> dict:
+def start_warm(env: dict, root: str) -> dict:
     import tempfile
     path = os.path.join(tempfile.mkdtemp(prefix="ulorl-warm-"), "socket")
-    proc = start([sys.executable, os.path.join(ROOT, "tests", "warm.py"), path], env=env, stdin=subprocess.DEVNULL,
-                 stdout=subprocess.PIPE, text=True)
+    proc = start([sys.executable, os.path.join(root, "tests", "warm.py"), path], cwd=root, env=env,
+                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":
         proc.wait()
         raise RuntimeError(f"the warm interpreter did not start (exit {proc.returncode})")
@@ -176,7 +143,7 @@ def warm_run(cmd: list[str], timeout: float, cwd: str, env: dict) -> subprocess.
     """run() of `cmd` as a child of the warm interpreter for `env` (same result, same process group rules)."""
     import tempfile
     import warm
-    pid, interpreter = [], warm_interpreter(env)
+    pid, interpreter = [], warm_interpreter(env, cwd)
     with tempfile.TemporaryFile("w+", errors="replace") as out, tempfile.TemporaryFile("w+", errors="replace") as err, \
             open(os.devnull) as null:
         try:

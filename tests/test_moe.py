@@ -1,7 +1,7 @@
 """The headline model's architecture, end to end on CPU: a tiny random Mixture-of-Experts model (qwen3_moe:
 4 experts, top-2 routing, untied embeddings; tiny.make_moe_model) through vLLM's engine (weights through
-vLLM's weight-transfer API, in-process and in a process of its own), the trainer in one process and as
-2 FSDP2 ranks, exact resume, HF-format checkpoints that transformers and vLLM load, eval.py, and YaRN.
+vLLM's weight-transfer API, in-process and to two replicas in processes of their own), the trainer in one process
+and as 2 FSDP2 ranks, exact resume, HF-format checkpoints that transformers and vLLM load, eval.py, and YaRN.
 The task rewards a response of at most 4 words (an instruction-following constraint), which a random model
 meets about half the time: rewards vary, so every update really moves the weights.
 
@@ -64,18 +64,23 @@ def weights(out, step):
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_moe_trains_with_vllm_in_one_process_and_two_fsdp_ranks(moe, tmp_path):
-    """vLLM in this process (one trainer) and in a process of its own (rank 0 of two FSDP2 ranks): after every
-    sync, samples continued from the last step decode with the new weights, and the engine's log-probs of the
-    current weights' tokens equal the trainer's (1e-4). A plain reload left the experts in a layout vLLM's CPU
-    path no longer reads (1.5-3.4 nats off), a stale prefix cache the continued samples' KV of old weights."""
+    """vLLM in this process (one trainer), and under torchrun in processes of their own: rank 0 starts two,
+    --rollout-replicas 2, each decoding its share of every round, and new weights reach both through vLLM's
+    weight-transfer API (weight_sync.py's gloo backend), gathered from the FSDP2 shards a layer at a time, once
+    per replica. The same rollouts and weights as one process (a request's draws do not depend on the replica),
+    and after every sync the engines' log-probs of the current weights' tokens equal the trainer's (1e-4), also
+    for samples continued from the last step: a replica left out of a sync would be off by the update, experts
+    reloaded in a layout vLLM's CPU path no longer reads 1.5-3.4 nats, a stale prefix cache by the old weights."""
     one, two = together(lambda: train(tmp_path / "one", *moe, "--steps", "3", "--engine", "vllm"),
                         lambda: train(tmp_path / "two", *moe, "--steps", "3", "--engine", "vllm", "--parallel", "fsdp",
-                                      ranks=2))
+                                      "--rollout-replicas", "2", ranks=2))
     for recs in (one, two):
         gaps = [r["rollout/logprob_diff_max"] for r in recs]
         assert all(g is not None and g < 1e-4 for g in gaps), gaps
         assert all(r["train/grad_norm"] > 0 for r in recs)
     assert [r["tokens/generated"] for r in one] == [r["tokens/generated"] for r in two]
+    assert [r["reward/trained_mean"] for r in one] == [r["reward/trained_mean"] for r in two]
+    assert all(0 <= r["rollout/replica_idle"] < 1 for r in two) and "rollout/replica_idle" not in one[0]
     a, b = weights(tmp_path / "one", 3), weights(tmp_path / "two", 3)
     assert a.keys() == b.keys() and "model.layers.0.mlp.experts.3.gate_proj.weight" in a  # one tensor per expert
     assert max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a) < 1e-4

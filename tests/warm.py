@@ -130,12 +130,47 @@ def serve(path: str) -> None:
             conn.close()
 
 
-def kill(pid: int) -> None:
-    """SIGKILL a child's session: it and everything it started."""
+def kill(pid: int) -> list[int]:
+    """SIGKILL `pid`, its process group (or session: the same number) and every process below it, also those in
+    sessions of their own (torchrun starts each worker in one). Returns the processes it killed."""
+    tree = [pid, *descendants(pid)]
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for each in tree:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return tree
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (children, theirs, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie has closed its files: not alive)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def request(path: str, argv: list[str], cwd: str, env: dict, fds: list[int], timeout: float | None = None,
