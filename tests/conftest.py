@@ -75,7 +75,8 @@ def run(cmd: list[str], timeout: float, cwd=ROOT, env=None, warm=True) -> subpro
 
 # read only while a process runs, never while Python and the libraries start: a warm interpreter serves commands
 # that differ from it in these alone; any other difference (threads, Hugging Face's cache, PYTHONPATH) gets one of its own
-RUNTIME_ENV = ("PYTEST_", "VLLM_", "ULORL_WARM_SOCKET")
+RUNTIME_ENV = ("PYTEST_", "VLLM_", "ULORL_WARM_SOCKET", "CUDA_VISIBLE_DEVICES", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+               "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 WARM: dict = {}  # environment (less RUNTIME_ENV) -> the warm interpreter started with it
 WARM_LIMIT = 2  # each holds torch and transformers in memory (~0.5 GB)
 WARM_LOCK = threading.Lock()  # together() asks from several threads at once
@@ -111,16 +112,26 @@ def warm_workers(cmd: list[str], cwd) -> list[str] | None:
 
 def warm_interpreter(env: dict, root: str) -> dict:
     """The warm interpreter of the project in `root` for `env` ({"proc", "socket", "busy"}), started (and waited
-    for: it imports) if none is running; counted busy until warm_done(). An idle one is stopped when a new one
-    would pass WARM_LIMIT."""
-    key = (os.path.realpath(root), *sorted((k, v) for k, v in env.items() if not k.startswith(RUNTIME_ENV)))
+    for: it imports) if none is running; counted busy until warm_done(). One for the tests' own environment stays;
+    of the others (a test's Hugging Face cache, a copy of the project), an idle one is stopped when a new one would
+    pass WARM_LIMIT."""
+    key, own = warm_key(env, root), warm_key(os.environ, ROOT)
     with WARM_LOCK:
         if key not in WARM or WARM[key]["proc"].poll() is not None:
-            for old in [k for k, w in WARM.items() if w["busy"] == 0][:max(0, len(WARM) + 1 - WARM_LIMIT)]:
+            idle = [k for k, w in WARM.items() if w["busy"] == 0 and k != own]
+            for old in idle[:max(0, len(WARM) + 1 - WARM_LIMIT)]:
                 kill_group(WARM.pop(old)["proc"])
             WARM[key] = start_warm(env, key[0])
         WARM[key]["busy"] += 1
         return WARM[key]
+
+
+def warm_key(env, root: str) -> tuple:
+    """What a warm interpreter is started with: the project's folder, and the environment but RUNTIME_ENV (and a
+    PYTHONPATH of just that folder, which a script of the folder has on its path anyway)."""
+    root = os.path.realpath(root)
+    return (root, *sorted((k, v) for k, v in env.items() if not k.startswith(RUNTIME_ENV)
+                          and not (k == "PYTHONPATH" and os.path.realpath(v) == root)))
 
 
 def warm_done(interpreter: dict) -> None:
@@ -248,9 +259,9 @@ def spawn(func, world: int, *args, timeout: float = 300) -> None:
 
 # the files that take longest on 2 cores, longest first (as timed in a run one file at a time), started first so
 # that the two workers of -n 2 end together instead of one finishing a long file alone; the rest follow in pytest's order
-LONGEST_FIRST = ["test_distributed", "test_train", "test_moe", "test_bench", "test_engine_gap", "test_overlap",
-                 "test_experiments", "test_placement", "test_sequence_parallel", "test_bf16", "test_gpu_check",
-                 "test_plan", "test_guide", "test_run_files", "test_vllm", "test_errors", "test_golden"]
+LONGEST_FIRST = ["test_bench", "test_overlap", "test_experiments", "test_engine_gap", "test_moe", "test_gpu_check",
+                 "test_train", "test_bf16", "test_run_files", "test_vllm", "test_distributed", "test_guide", "test_golden",
+                 "test_reward", "test_plan", "test_placement", "test_resume"]
 
 
 def pytest_collection_modifyitems(items):

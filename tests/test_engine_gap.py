@@ -122,7 +122,7 @@ def runs(tmp_path_factory):
     moe = moe_files(d)
     names = ("stale", "stale-overlap", "moe")
     small = ["--train-groups", "4", "--prompts-per-step", "4"]
-    done = together(lambda: train(d / "stale", "--steps", "8", stale_from=5),
+    done = together(lambda: train(d / "stale", "--steps", "8", *small, stale_from=4),
                     lambda: train(d / "stale-overlap", "--steps", "10", "--overlap", "1", "--is-mode", "sais", *small,
                                   stale_from=3),
                     lambda: train(d / "moe", *moe))
@@ -132,14 +132,15 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_a_healthy_bf16_run_passes_and_a_stale_engine_stops_it(runs):
-    """The tiny default (lr 3e-4) in bf16 with vLLM: every step passes the check at its default settings while the
-    engine gets its weights (5 steps: the recent median has its history); from the 5th sync on it gets none, and
-    the run stops at step 6, before its update, saying the engine is stale (one update of the tiny default is
-    ~30x the bf16 noise)."""
+    """The tiny default (lr 3e-4; 4 prompts a step) in bf16 with vLLM: every step passes the check at its default
+    settings while the engine gets its weights (4 steps: the recent median has a history); from the 4th sync on
+    it gets none, and the run stops before an update, saying the engine is stale: at the first step without a sync
+    or the second (one missed update measured 4-18x the bf16 noise of the median, two 50x; the jump test fires
+    at 10x)."""
     proc, recs = runs["stale"]
     assert proc.returncode != 0
-    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]  # step 6 stopped before its update, and logged nothing
-    kl = [r["rollout/engine_kl"] for r in recs]
+    assert [r["step"] for r in recs] in ([1, 2, 3, 4], [1, 2, 3, 4, 5]), [r["step"] for r in recs]  # stopped: no record
+    kl = [r["rollout/engine_kl"] for r in recs[:4]]
     assert all(0 < k < 1e-3 for k in kl), kl
     for r in recs:
         assert r["rollout/logprob_diff_mean"] <= r["rollout/logprob_diff_p99"] <= r["rollout/logprob_diff_max"]

@@ -47,13 +47,13 @@ def test_a_finding_runs_end_to_end_and_reuses_its_runs(tmp_path):
     # both only read the finished runs: together
     again, passk = together(
         lambda: run(cmd, cwd=ROOT, timeout=300),
-        lambda: run([sys.executable, "experiments/findings.py", "passk", "--models", "dmmpt/off,dmmpt/static",
+        lambda: run([sys.executable, "experiments/findings.py", "passk", "--models", "dmmpt/off",
                      "--root", str(tmp_path / "runs"), "--figure", str(tmp_path / "passk.png"),
                      "--passk-samples", "4", "--passk-problems", "8"], cwd=ROOT, timeout=600))
     assert again.returncode == 0 and "_s0:" not in again.stdout  # no run trained again
     assert passk.returncode == 0, passk.stdout[-2000:] + passk.stderr[-3000:]
     table = json.loads(passk.stdout.strip().splitlines()[-1])["pass@k"]
-    assert set(table) == {"warm start", "dmmpt/off", "dmmpt/static"} and set(table["warm start"]) == {"1", "2", "4"}
+    assert set(table) == {"warm start", "dmmpt/off"} and set(table["warm start"]) == {"1", "2", "4"}
     assert all(0 <= v["mean"] <= 1 for row in table.values() for v in row.values())
     assert all(row["1"]["mean"] <= row["4"]["mean"] for row in table.values())  # pass@k never falls with k
 

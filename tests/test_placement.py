@@ -22,6 +22,16 @@ QWEN3_30B = os.path.join(ROOT, "tests", "configs", "Qwen3-30B-A3B")  # 32 attent
 H200 = 141 * 10**9
 
 
+@pytest.fixture(scope="module")
+def hub_env(tmp_path_factory):
+    """The environment of a Hugging Face cache holding Qwen3-30B-A3B's and ProRL's model's config.json (no weights)
+    under their hub names, offline, and WORLD_SIZE 6: torchrun --nproc-per-node 6 on 8 GPUs, as --plan sees it."""
+    d = tmp_path_factory.mktemp("hub")
+    hub_cache(d, "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", os.path.join(ROOT, "tests", "configs",
+                                                                        "DeepSeek-R1-Distill-Qwen-1.5B"))
+    return dict(os.environ, **hub_cache(d, "Qwen/Qwen3-30B-A3B", QWEN3_30B), WORLD_SIZE="6")
+
+
 def gpu_cfg(*flags):
     cfg = parse_config(["--preset", "ulorl", "--data", "x.jsonl", "--plan", *flags])  # --plan: no GPU needed to parse
     cfg.device = "cuda"
@@ -79,28 +89,26 @@ def test_placement_refusals_and_explicit_gpus(capsys):
 
 
 @pytest.mark.slow
-def test_a_hub_name_takes_ulorl_settings_and_a_local_directory_the_tiny_ones(tmp_path):
+def test_a_hub_name_takes_ulorl_settings_and_a_local_directory_the_tiny_ones(hub_env):
     hub = parse_config(["--model", "Qwen/Qwen3-30B-A3B", "--data", "train.parquet", "--plan"])
     assert (hub.preset, hub.lr, hub.max_response_len, hub.dtype) == ("ulorl", 1e-6, 131072, "bfloat16")
     local = parse_config(["--model", QWEN3_30B, "--data", "tiny"])
     assert (local.preset, local.lr, local.max_response_len, local.device) == ("tiny", 3e-4, 64, "cpu")
     assert parse_config(["--model", "Qwen/Qwen3-4B", "--preset", "tiny", "--data", "tiny"]).lr == 3e-4
-    refused = run([sys.executable, "train.py", "--model", "Qwen/Qwen3-30B-A3B"], timeout=60,
-                  env=dict(os.environ, HF_HOME=str(tmp_path)))
+    refused = run([sys.executable, "train.py", "--model", "Qwen/Qwen3-30B-A3B"], timeout=60, env=hub_env)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "without --preset it trains with UloRL's settings" in refused.stderr and "--data train.parquet" in refused.stderr
     assert "--preset prorl" in refused.stderr
 
 
 @pytest.mark.slow
-def test_the_ulorl_preset_reaches_its_context_and_a_short_model_is_an_error(tmp_path):
-    env = dict(os.environ, **hub_cache(tmp_path, "Qwen/Qwen3-30B-A3B", QWEN3_30B), WORLD_SIZE="6")
+def test_the_ulorl_preset_reaches_its_context_and_a_short_model_is_an_error(hub_env):
     cfg = parse_config(["--preset", "ulorl", "--data", "x.jsonl", "--plan"])
     config = model_lib.model_config(QWEN3_30B, cfg.rope_scaling_factor, cfg.rope_original_max_positions)
     assert config.max_position_embeddings == 133120 == cfg.max_prompt_len + cfg.max_response_len
     assert config.rope_parameters["original_max_position_embeddings"] == 32768  # Qwen3's native length
     headline = ["--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus", "6,7", "--plan"]
-    plan, short = run_many("train.py", [headline, headline + ["--rope-scaling-factor", "0"]], timeout=120, env=env)
+    plan, short = run_many("train.py", [headline, headline + ["--rope-scaling-factor", "0"]], timeout=120, env=hub_env)
     assert plan.returncode == 0, plan.stderr[-2000:]
     assert "memory plan (6 trainer rank(s), cuda; --sp 1," in plan.stdout and "KV cache, 1 sample" in plan.stdout
     assert short.returncode == 1 and "Traceback" not in short.stderr
@@ -134,14 +142,11 @@ def test_engine_memory_follows_the_placement():
 
 
 @pytest.mark.slow
-def test_a_plan_for_a_target_gpu_from_any_machine(tmp_path):
+def test_a_plan_for_a_target_gpu_from_any_machine(hub_env):
     """--device-memory (decimal GB, as vendors state it) gives the verdict a machine without the GPU cannot. The
     ulorl preset leaves --sp and --offload-optimizer at auto, and the plan picks: on 8 H200s (6 trainer ranks),
     sequence parallelism over 2 ranks; on 8 x 80 GB, that and the optimizer state in host memory; ProRL's 1.5B
     at 16k needs neither. Without it a laptop cannot say."""
-    hub_cache(tmp_path, "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
-              os.path.join(ROOT, "tests", "configs", "DeepSeek-R1-Distill-Qwen-1.5B"))  # ProRL's model, same cache
-    env = dict(os.environ, **hub_cache(tmp_path, "Qwen/Qwen3-30B-A3B", QWEN3_30B), WORLD_SIZE="6")
     headline = ["--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus", "6,7", "--plan"]
     h200, h100, fixed, unknown, small = run_many("train.py", [
         headline + ["--device-memory", "141"],
@@ -149,7 +154,7 @@ def test_a_plan_for_a_target_gpu_from_any_machine(tmp_path):
         headline + ["--device-memory", "141", "--sp", "1", "--offload-optimizer", "false"],  # fixed by hand
         headline,
         ["--preset", "prorl", "--max-response-len", "16384", "--rollout-gpus", "6,7", "--plan", "--device-memory", "80"],
-    ], timeout=120, env=env)
+    ], timeout=120, env=hub_env)
     assert h200.returncode == 0, h200.stderr[-2000:]
     assert "--sp 2, --offload-optimizer false, --attn-implementation varlen" in h200.stdout
     assert "verdict: fits in 131.3 GiB" in h200.stdout, h200.stdout
@@ -184,7 +189,7 @@ def test_the_plan_chooses_the_least_that_fits():
 
 
 @pytest.mark.slow
-def test_routing_replay_at_the_papers_scale(tmp_path):
+def test_routing_replay_at_the_papers_scale(hub_env):
     """--routing-replay on Qwen3-30B-A3B (48 MoE layers, top-8 of 128 experts) under the ulorl preset, by hand:
     rank 0's host keeps 48 x 8 x 1 byte = 384 bytes a token (uint8 ids) of the 1024 samples in flight at 133120
     tokens, every rank the step's batch's twice (held, pickled) and, for its share of the batch (--sp 2: 3 data
@@ -216,9 +221,8 @@ def test_routing_replay_at_the_papers_scale(tmp_path):
     auto = dataclasses.replace(cfg, sp=0, offload_optimizer="auto")
     make = lambda c: plan_lib.make_plan(shape, c, 6, 2, True)
     assert plan_lib.choose(make, auto, 80 * 10**9, [1, 2], True) == (2, "true")
-    env = dict(os.environ, **hub_cache(tmp_path, "Qwen/Qwen3-30B-A3B", QWEN3_30B), WORLD_SIZE="6")
     h200 = run([sys.executable, "train.py", "--preset", "ulorl", "--model", "Qwen/Qwen3-30B-A3B", "--rollout-gpus",
-                "6,7", "--plan", "--device-memory", "141", "--routing-replay", "true"], timeout=120, env=env)
+                "6,7", "--plan", "--device-memory", "141", "--routing-replay", "true"], timeout=120, env=hub_env)
     assert h200.returncode == 0, h200.stderr[-2000:]
     assert "--sp 2, --offload-optimizer false," in h200.stdout and "verdict: fits in 131.3 GiB" in h200.stdout
     assert "routing replay ids (every rank)   32.950 GiB" in h200.stdout
