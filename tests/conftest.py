@@ -40,9 +40,22 @@ def kill_group(proc: subprocess.Popen) -> None:
         time.sleep(0.02)
 
 
-def start(cmd: list[str], **kw) -> subprocess.Popen:
-    """subprocess.Popen in a process group of its own (cwd: the project): end it with kill_group."""
-    return subprocess.Popen(cmd, cwd=kw.pop("cwd", ROOT), start_new_session=True, **kw)
+def start(cmd: list[str], warm=True, **kw):
+    """subprocess.Popen in a process group of its own (cwd: the project): end it with kill_group. A command that
+    run() would run warm (`python SCRIPT`, `-m`, `-c` of the project, torchrun running them) is a WarmChild here
+    too, unless `warm` is False."""
+    cwd, env = kw.pop("cwd", ROOT), kw.pop("env", None)
+    env = dict(os.environ if env is None else env)
+    if warm and warm_eligible(cmd, cwd):
+        return WarmChild(cmd, cwd, env, **kw)
+    workers = warm and warm_workers(cmd, cwd)
+    if workers:  # torchrun and its workers, each a child of the warm interpreter
+        interpreter = warm_interpreter(env, cwd)
+        try:
+            return WarmChild(workers, cwd, dict(env, ULORL_WARM_SOCKET=interpreter["socket"]), **kw)
+        finally:
+            warm_done(interpreter)
+    return subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True, **kw)
 
 
 def run(cmd: list[str], timeout: float, cwd=ROOT, env=None, warm=True) -> subprocess.CompletedProcess:
@@ -51,26 +64,76 @@ def run(cmd: list[str], timeout: float, cwd=ROOT, env=None, warm=True) -> subpro
     grandchild outlives its test. A command that times out raises subprocess.TimeoutExpired. `python SCRIPT`,
     `-m MODULE` and `-c CODE` of the project, and torchrun running them (its workers too), are children forked
     from a warm interpreter (tests/warm.py) unless `warm` is False."""
-    env = dict(os.environ if env is None else env)
-    if warm and warm_eligible(cmd, cwd):
-        return warm_run(cmd, timeout, str(cwd), env)
-    workers = warm and warm_workers(cmd, cwd)
-    if workers:  # torchrun and its workers, each a child of the warm interpreter
-        interpreter = warm_interpreter(env, cwd)
-        try:
-            return warm_run(workers, timeout, str(cwd), dict(env, ULORL_WARM_SOCKET=interpreter["socket"]))
-        finally:
-            warm_done(interpreter)
-    proc = start(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start(cmd, warm=warm, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
         kill_group(proc)
-        if proc.poll() is None:
-            proc.wait()
         for pipe in (proc.stdout, proc.stderr):
-            pipe.close()
+            if pipe:
+                pipe.close()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+class WarmChild:
+    """`cmd` run as a child of the warm interpreter for `env`, with what the tests use of subprocess.Popen: pid
+    (the child's), poll, wait, send_signal, communicate and returncode (negative: the signal that ended it).
+    Its streams: PIPE (read by communicate) or none."""
+
+    def __init__(self, cmd: list[str], cwd, env: dict, stdout=None, stderr=None, text=False):
+        import tempfile
+        import warm
+        self.args, self.returncode, self.text, self.error = cmd, None, text, None
+        self.stdout = self.stderr = None  # no stream to read while it runs: communicate() returns what it wrote
+        self.files = [open(os.devnull, "rb")] + [tempfile.TemporaryFile() if how == subprocess.PIPE
+                                                 else open(os.devnull, "wb") for how in (stdout, stderr)]
+        self.piped = [stdout == subprocess.PIPE, stderr == subprocess.PIPE]
+        interpreter, started, pid = warm_interpreter(env, cwd), threading.Event(), []
+
+        def serve():
+            try:
+                self.returncode = warm.request(interpreter["socket"], cmd[1:], str(cwd), env,
+                                               [f.fileno() for f in self.files],
+                                               started=lambda p: (pid.append(p), started.set()))
+            except BaseException as e:
+                self.error = e
+            finally:
+                warm_done(interpreter)
+                started.set()
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+        started.wait()
+        if not pid:
+            raise RuntimeError(f"the warm interpreter did not run {cmd}") from self.error
+        self.pid = pid[0]
+
+    def poll(self):
+        return None if self.thread.is_alive() else self.wait()
+
+    def wait(self, timeout=None):
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        if self.error is not None:
+            raise RuntimeError(f"the warm interpreter lost {self.args}") from self.error
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.thread.is_alive():
+            os.kill(self.pid, sig)
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        out = []
+        for f, piped in zip(self.files[1:], self.piped):
+            f.seek(0)
+            data = f.read() if piped else None
+            if piped and self.text:  # as Popen's text mode reads: universal newlines ("\r" and "\r\n" are "\n")
+                data = data.decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+            out.append(data)
+        for f in self.files:
+            f.close()
+        return tuple(out)
 
 
 # read only while a process runs, never while Python and the libraries start: a warm interpreter serves commands
@@ -142,33 +205,12 @@ def warm_done(interpreter: dict) -> None:
 def start_warm(env: dict, root: str) -> dict:
     import tempfile
     path = os.path.join(tempfile.mkdtemp(prefix="ulorl-warm-"), "socket")
-    proc = start([sys.executable, os.path.join(root, "tests", "warm.py"), path], cwd=root, env=env,
+    proc = start([sys.executable, os.path.join(root, "tests", "warm.py"), path], warm=False, cwd=root, env=env,
                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":
         proc.wait()
         raise RuntimeError(f"the warm interpreter did not start (exit {proc.returncode})")
     return {"proc": proc, "socket": path, "busy": 0}
-
-
-def warm_run(cmd: list[str], timeout: float, cwd: str, env: dict) -> subprocess.CompletedProcess:
-    """run() of `cmd` as a child of the warm interpreter for `env` (same result, same process group rules)."""
-    import tempfile
-    import warm
-    pid, interpreter = [], warm_interpreter(env, cwd)
-    with tempfile.TemporaryFile("w+", errors="replace") as out, tempfile.TemporaryFile("w+", errors="replace") as err, \
-            open(os.devnull) as null:
-        try:
-            returncode = warm.request(interpreter["socket"], cmd[1:], cwd, env,
-                                      [null.fileno(), out.fileno(), err.fileno()], timeout, started=pid.append)
-        except TimeoutError:
-            raise subprocess.TimeoutExpired(cmd, timeout)
-        finally:
-            warm_done(interpreter)
-            if pid:  # the child's session: it and everything it started
-                warm.kill(pid[0])
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(cmd, returncode, out.read(), err.read())
 
 
 def run_many(script: str, runs: list[list[str]], timeout: float, env=None) -> list[subprocess.CompletedProcess]:

@@ -30,7 +30,8 @@ from naive import PROMPTS, ids, make_row
 from segment_rollout import Pools, rollout_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARGS = ["--steps", "5", "--lr", "1e-6", "--lr-final", "1", "--eval-data", "", "--train-groups", "4",
+STEPS = 4
+ARGS = ["--steps", str(STEPS), "--lr", "1e-6", "--lr-final", "1", "--eval-data", "", "--train-groups", "4",
         "--prompts-per-step", "4", "--max-response-len", "32", "--segments", "4", "--dump-samples", "0",
         "--save-every", "1", "--keep-last", "0"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -68,7 +69,7 @@ def kill_and_resume(out, ranks, *extra):
     return train(out, ranks, *extra, "--resume", "auto")
 
 
-def masters(out, step=5, sharded=True):
+def masters(out, step=STEPS, sharded=True):
     """The fp32 master weights of checkpoint `step`, flattened in parameter order (each rank's shards
     joined along the first dimension, as FSDP2 splits them; DDP's ranks hold the same whole copy)."""
     states = sorted(f for f in os.listdir(os.path.join(out, f"step_{step:06d}")) if f.startswith("trainer_state"))
@@ -141,15 +142,15 @@ def runs(tmp_path_factory):
 def test_two_ranks_move_the_masters_like_one_process(runs, parallel):
     """2 ranks in bf16 (FSDP2: MixedPrecisionPolicy on gloo; DDP: MasterWeights, gradients all-reduced in fp32)
     against one process in bf16 (MasterWeights): the same rollouts (rank 0 samples with a bf16 copy), so their
-    masters' change over 5 steps points the same way; the checkpoints' HF export is bf16."""
+    masters' change over 4 steps points the same way; the checkpoints' HF export is bf16."""
     start_ = flat(tiny.CKPT)
     two = masters(runs[parallel], sharded=parallel == "fsdp")
     cosine = torch.nn.functional.cosine_similarity(two - start_, masters(runs["one"]) - start_, dim=0).item()
     assert cosine > 0.99, cosine
     for mode in ("one", parallel):
-        export = load_file(os.path.join(runs[mode], "step_000005", "model.safetensors"))
+        export = load_file(os.path.join(runs[mode], f"step_{STEPS:06d}", "model.safetensors"))
         assert {t.dtype for t in export.values()} == {torch.bfloat16}
-        with open(os.path.join(runs[mode], "step_000005", "config.json")) as f:
+        with open(os.path.join(runs[mode], f"step_{STEPS:06d}", "config.json")) as f:
             assert json.load(f)["dtype"] == "bfloat16"
 
 
@@ -157,6 +158,6 @@ def test_two_ranks_move_the_masters_like_one_process(runs, parallel):
 @pytest.mark.parametrize("mode", ["one", "fsdp"])
 def test_killed_bf16_run_resumes_bit_for_bit(runs, mode):
     assert torch.equal(masters(runs[mode]), masters(runs[f"{mode}_resumed"]))
-    a = load_file(os.path.join(runs[mode], "step_000005", "model.safetensors"))
-    b = load_file(os.path.join(runs[f"{mode}_resumed"], "step_000005", "model.safetensors"))
+    a = load_file(os.path.join(runs[mode], f"step_{STEPS:06d}", "model.safetensors"))
+    b = load_file(os.path.join(runs[f"{mode}_resumed"], f"step_{STEPS:06d}", "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -61,11 +61,10 @@ def two_nodes(out, *extra):
     second = start(cmd(1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         first = run(cmd(0), env=env, timeout=600)
-        assert second.wait(timeout=120) == 0 and first.returncode == 0, \
-            first.stderr[-3000:] + second.stderr.read()[-3000:]
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 0 and first.returncode == 0, first.stderr[-3000:] + err[-3000:]
     finally:
         kill_group(second)
-        second.stderr.close()
 
 
 @pytest.fixture(scope="module")

@@ -60,19 +60,20 @@ def test_a_finding_runs_end_to_end_and_reuses_its_runs(tmp_path):
 
 @pytest.mark.slow
 def test_variants_of_ones_own_over_seeds(tmp_path):
-    cmd = [sys.executable, "experiments/findings.py", "variants", "--variant", "base=", "--variant",
-           "kl=--kl-coef 0.1 --mpt off", "--seeds", "0", "--root", str(tmp_path), "--name", "mine",
-           "--keys", "loss/kl,mpt/masked_frac,eval/accuracy", "--steps", "2", "--eval-data", "", "--jobs", "2",
-           "--prompts-per-step", "2", "--train-groups", "2", "--dynamic-sampling", "false"]
+    cmd = [sys.executable, "experiments/findings.py", "variants", "--variant", "kl=--kl-coef 0.1 --mpt off", "--seeds",
+           "0", "--root", str(tmp_path), "--name", "mine", "--keys", "loss/kl,mpt/masked_frac,eval/accuracy",
+           "--steps", "2", "--eval-data", "", "--prompts-per-step", "2", "--train-groups", "2",
+           "--dynamic-sampling", "false"]
     p = run(cmd, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
-    assert summary["name"] == "mine" and summary["variants"] == {"base": [], "kl": ["--kl-coef", "0.1", "--mpt", "off"]}
-    assert sorted(os.listdir(tmp_path / "mine")) == ["base_s0", "base_s0.log", "kl_s0", "kl_s0.log", "mine.png",
-                                                     "summary.json"]
+    assert summary["name"] == "mine" and summary["variants"] == {"kl": ["--kl-coef", "0.1", "--mpt", "off"]}
+    assert sorted(os.listdir(tmp_path / "mine")) == ["kl_s0", "kl_s0.log", "mine.png", "summary.json"]
+    with open(tmp_path / "mine" / "kl_s0" / "metrics.jsonl") as f:
+        config = json.loads(f.readline())["config"]
+    assert config["kl_coef"] == 0.1 and config["mpt"] == "off" and config["steps"] == 2  # its flags and the run's
     numbers = summary["numbers"]
-    assert numbers["base"]["loss/kl"]["mean"] == 0 < numbers["kl"]["loss/kl"]["mean"]  # the flags reached the run
-    assert numbers["base"]["mpt/masked_frac"]["mean"] > 0 == numbers["kl"]["mpt/masked_frac"]["mean"]
+    assert numbers["kl"]["loss/kl"]["mean"] > 0 and numbers["kl"]["mpt/masked_frac"]["mean"] == 0
     assert numbers["kl"]["eval/accuracy"]["mean"] is None  # no evaluation ran: none is made up
 
 

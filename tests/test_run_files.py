@@ -6,7 +6,6 @@ with a raw traceback, before.
 """
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -149,14 +148,16 @@ def test_a_second_run_on_the_same_out_is_refused(tmp_path):
 
 
 def in_a_small_mount(tmp_path, options: str, *args):
-    """train.py with --out on a tmpfs of its own (`options`: its size, or ro), in a private mount namespace."""
+    """train.py with --out on a tmpfs of its own (`options`: its size, or ro), unmounted after."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
     mnt = tmp_path / "mnt"
     os.makedirs(mnt)
-    cmd = f"mount -t tmpfs -o {options} ulorl-test {mnt} && exec " + shlex.join(
-        [sys.executable, "train.py", *RUN, *args, "--out", str(mnt / "run")])
-    return run(["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd], timeout=300, env=ENV)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "ulorl-test", str(mnt)], check=True)
+    try:
+        return run([sys.executable, "train.py", *RUN, *args, "--out", str(mnt / "run")], timeout=300, env=ENV)
+    finally:
+        subprocess.run(["umount", "--lazy", str(mnt)], check=True)
 
 
 @pytest.mark.slow

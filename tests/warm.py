@@ -19,13 +19,16 @@ and {"returncode"} when it ended (negative: the signal that killed it). A connec
 client was killed) kills the child and everything it started.
 """
 import atexit
+import glob
 import json
 import os
 import runpy
 import select
 import signal
 import socket
+import struct
 import sys
+import tempfile
 import threading
 import traceback
 import types
@@ -88,6 +91,7 @@ def serve(path: str) -> None:
     listener.bind(path)
     listener.listen(16)
     parent, running = os.getppid(), {}  # connection -> the pid of the child it asked for
+    marks = {}  # child -> the file that names it as the child of the process that asked (kill() reads them)
     print("ready", flush=True)
     while os.getppid() == parent:  # the tests' process is gone: so is the reason to serve
         readable, _, _ = select.select([listener, *running], [], [], 0.05)
@@ -109,6 +113,9 @@ def serve(path: str) -> None:
                     os.close(fd)
                 conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
                 running[conn] = pid
+                asker = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+                marks[pid] = os.path.join(os.path.dirname(path), f"child.{asker}.{pid}")
+                open(marks[pid], "w").close()
             elif not conn.recv(1):  # its client is gone (killed): so goes the child
                 kill(running.pop(conn))
                 conn.close()
@@ -119,6 +126,8 @@ def serve(path: str) -> None:
                 break
             if pid == 0:
                 break
+            if pid in marks:
+                os.remove(marks.pop(pid))
             conn = next((c for c, p in running.items() if p == pid), None)
             if conn is None:  # its client went first: already killed
                 continue
@@ -132,8 +141,13 @@ def serve(path: str) -> None:
 
 def kill(pid: int) -> list[int]:
     """SIGKILL `pid`, its process group (or session: the same number) and every process below it, also those in
-    sessions of their own (torchrun starts each worker in one). Returns the processes it killed."""
+    sessions of their own (torchrun starts each worker in one), and the children a warm interpreter runs for a
+    --client among them (a warm torchrun's workers). Returns the processes it killed."""
     tree = [pid, *descendants(pid)]
+    for each in list(tree):
+        for mark in glob.glob(os.path.join(tempfile.gettempdir(), "ulorl-warm-*", f"child.{each}.*")):
+            served = int(mark.rsplit(".", 1)[1])
+            tree += [served, *descendants(served)]
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
