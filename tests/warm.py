@@ -7,7 +7,8 @@ directory, standard streams, exit status and signals; nothing it does reaches th
 as `python` would (`__main__`, sys.argv, sys.path[0], its threads joined and atexit handlers run at exit); only
 what the imports computed is shared. What only a fresh interpreter shows (an import that works only after another)
 stays covered by the processes that start fresh: vLLM's engine processes, the reward workers, and the runs
-`ULORL_TESTS_COLD=1 python -m pytest` makes real. tests/conftest.py's run() decides which commands come here.
+`ULORL_TESTS_COLD=1 python -m pytest` makes real. tests/conftest.py's run() and start() decide which commands
+come here.
 
     python tests/warm.py SOCKET                   # serve (conftest starts it); ends when its parent does
     python tests/warm.py --client SCRIPT ARGS     # a stand-in for `python SCRIPT ARGS` (a torchrun worker), run
