@@ -4,7 +4,7 @@ beside fp32 masters; FSDP2: its MixedPrecisionPolicy). On one batch the masters 
 FSDP2 ranks move them as one process does; the checkpoint keeps them (the HF export stays bf16), and a run
 killed with SIGKILL resumes bit for bit. CPU (this CPU runs bf16), transformers engine.
 
-    python -m pytest tests/test_bf16.py        # ~3 minutes on 2 cores
+    python -m pytest tests/test_bf16.py        # ~1 minute on 2 cores
 """
 import copy
 import json

@@ -3,7 +3,7 @@ the same global batch, and a sharded run resumes exactly. Each run is a real `to
 train.py` on the tiny model; rank 0 rolls out (so the batches are the same as in one process) and every
 rank trains on its share.
 
-    python -m pytest tests/test_distributed.py        # ~2 minutes on 2 cores
+    python -m pytest tests/test_distributed.py        # ~1 minute on 2 cores
 """
 import json
 import os

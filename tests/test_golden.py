@@ -11,7 +11,7 @@ A change that alters training numbers on purpose regenerates them, and says so i
         --kl-coef 0.01 --ref-reset-every 2 --out /tmp/g2
     python tests/test_golden.py /tmp/g1 /tmp/g2              # writes tests/golden/{one,fsdp}.jsonl
 
-    python -m pytest tests/test_golden.py                 # ~1.5 minutes on 2 cores
+    python -m pytest tests/test_golden.py                 # ~40 seconds on 2 cores
 """
 import json
 import math

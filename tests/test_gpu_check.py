@@ -15,7 +15,7 @@ planned seconds within the deadline, and the working tree and wheels within what
 requirements.txt; the deadline skips, and a failing check's harness fails, as they should; weight_sync imports
 without vLLM; Qwen3-30B-A3B's shape is checked; and its layers and FSDP checks run end to end at toy size on the CPU.
 
-    python -m pytest tests/test_gpu_check.py      # ~80 s on 2 cores (the one-GPU check's tests: ~40 s)
+    python -m pytest tests/test_gpu_check.py      # ~1 minute on 2 cores (the one-GPU check's tests: ~35 s)
 """
 import importlib.util
 import json

@@ -3,7 +3,7 @@
 bonus behind the flag and a metric averaged over loss_mask. The golden and plot tests, unedited, still pass;
 the flag reaches the run, the metrics reach metrics.jsonl with their values, and the bonus its gradient.
 
-    python -m pytest tests/test_guide.py          # ~1.5 minutes on 2 cores
+    python -m pytest tests/test_guide.py          # ~1 minute on 2 cores
 """
 import json
 import os

@@ -5,7 +5,7 @@ and as 2 FSDP2 ranks, exact resume, HF-format checkpoints that transformers and 
 The task rewards a response of at most 4 words (an instruction-following constraint), which a random model
 meets about half the time: rewards vary, so every update really moves the weights.
 
-    python -m pytest tests/test_moe.py          # ~4 minutes on 2 cores; vLLM parts skip without vLLM
+    python -m pytest tests/test_moe.py          # ~1.5 minutes on 2 cores; vLLM parts skip without vLLM
 """
 import json
 import os

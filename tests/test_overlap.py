@@ -5,7 +5,7 @@ noise: the sync reached the engine); a run stopped between steps resumes bit for
 the last update is in the checkpoint's pools and run state). Two FSDP2 ranks under torchrun, whose rank 0 is slower
 than --dist-timeout where the others wait for it. --overlap 0 is the synchronous loop, pinned by tests/test_golden.py.
 
-    python -m pytest tests/test_overlap.py      # ~1.5 minutes on 2 cores (two runs, an engine process each)
+    python -m pytest tests/test_overlap.py      # ~2.5 minutes on 2 cores (two runs, an engine process each)
 """
 import importlib.util
 import json

@@ -3,7 +3,7 @@ fit stopping before it loads anything, sharded loading under 2 FSDP2 ranks givin
 from_pretrained gives, and checkpoints written a layer at a time (several safetensors shards and an index)
 that transformers and vLLM load. The plan against measured peaks: test_distributed.py and `python -m bench plan check`.
 
-    python -m pytest tests/test_plan.py          # ~2 minutes on 2 cores; the vLLM part skips without vLLM
+    python -m pytest tests/test_plan.py          # ~40 seconds on 2 cores; the vLLM part skips without vLLM
 """
 import json
 import os

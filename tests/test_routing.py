@@ -5,7 +5,7 @@ update (pi_old, the reference, the loss and checkpointing's recompute) uses exac
 replaying the router's own choice changes nothing, the router's gradient still flows; a run with replay
 resumes bit for bit; dense models and vLLM on CPU are refused.
 
-    python -m pytest tests/test_routing.py      # ~1 minute on 2 cores
+    python -m pytest tests/test_routing.py      # ~15 seconds on 2 cores
 """
 import json
 import os

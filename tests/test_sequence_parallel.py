@@ -3,7 +3,7 @@ sequence boundaries give transformers' own packed forward; N gloo ranks, each ho
 give one process's log-probs and (summed) gradients, dense and Mixture-of-Experts, with KV heads split and
 replicated; whole runs under torchrun with --sp 2 end where one process ends and resume exactly.
 
-    python -m pytest tests/test_sequence_parallel.py      # ~3 minutes on 2 cores
+    python -m pytest tests/test_sequence_parallel.py      # ~25 seconds on 2 cores
 """
 import json
 import os
