@@ -188,10 +188,9 @@ def alive(pid: int) -> bool:
         return False
 
 
-def request(path: str, argv: list[str], cwd: str, env: dict, fds: list[int], timeout: float | None = None,
-            started=None) -> int:
+def request(path: str, argv: list[str], cwd: str, env: dict, fds: list[int], started=None) -> int:
     """Ask the warm interpreter at `path` to run `argv` with `fds` as its stdin, stdout and stderr; returns its
-    exit status. `started(pid)` is called once it runs; a timeout raises socket.timeout (the caller kills it)."""
+    exit status once it ends. `started(pid)` is called once it runs."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.connect(path)
         socket.send_fds(conn, [b"r"], fds)
@@ -200,7 +199,6 @@ def request(path: str, argv: list[str], cwd: str, env: dict, fds: list[int], tim
         pid = json.loads(replies.readline())["pid"]
         if started:
             started(pid)
-        conn.settimeout(timeout)
         line = replies.readline()
         if not line:
             raise RuntimeError("the warm interpreter ended before its child did")
