@@ -353,6 +353,7 @@ def serve(factory: str, memory_mb: int) -> None:
     requests, replies = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 1)
+    os.dup2(null, 2)  # up to here stderr said why a start failed; the checks' warnings would only pile up there
     replies.write(b'{"ready": true}\n')
     replies.flush()
     for line in requests:
@@ -412,8 +413,10 @@ class Server:
 
     def _start(self) -> None:
         s = _setup()
-        roots = [os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)]
-        roots += [os.path.realpath(p) for p in sys.path if p.endswith("-packages") and os.path.isdir(p)]
+        # The trainer's site directories, in its order: a venv's (its interpreter is the base one with a
+        # pyvenv.cfg beside it, which the real binary run inside does not see), conda's, the system's, a user's.
+        sites = [os.path.realpath(p) for p in sys.path if p.endswith("-packages") and os.path.isdir(p)]
+        roots = [os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)] + sites
         roots = [p for p in dict.fromkeys(roots) if not any(p.startswith(q + "/") for q in roots if q != p)]
         mounts, binds = [], _system_binds("/usr/")
         for root in (p for p in roots if not p.startswith("/usr/")):
@@ -426,20 +429,30 @@ class Server:
                 binds += ["--ro-bind", root, root]
         with open(os.path.abspath(__file__), "rb") as f:
             me = f.read()  # this file, for serve() inside
-        code = ("import sys; sys.path.insert(0, '/run/ulorl'); import sandbox; "
-                f"sandbox.serve({self.factory!r}, {self.memory_mb})")
+        # the interpreter's own site directories give way to the trainer's (site.addsitedir also reads their .pth
+        # files: editable installs, namespace packages), so the scorer imports what the trainer would
+        code = ("import site, sys\n"
+                "sys.path[:] = ['/run/ulorl'] + [p for p in sys.path if not p.endswith('-packages')]\n"
+                f"for p in {sites!r}:\n    site.addsitedir(p)\n"
+                f"import sandbox\nsandbox.serve({self.factory!r}, {self.memory_mb})\n")
+        errors = tempfile.TemporaryFile()  # what it says if it fails to start; a file: a pipe could fill and block it
         try:
             self.proc = _launch(s, binds, [os.path.realpath(sys.executable), "-I", "-c", code],
                                 {"/run/ulorl/sandbox.py": me}, tuple(mounts), SERVER_TMP_MB,
                                 (("OMP_NUM_THREADS", "1"), ("OPENBLAS_NUM_THREADS", "1"), ("MPLBACKEND", "Agg")),
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors)
             ready = self._reply(self.startup_timeout) == {"ready": True}
         finally:
             for _, point in mounts:  # bwrap has bound what they held: the directories can go
                 os.rmdir(point)
         if not ready:
             self.close()
-            raise SandboxUnavailable(f"sandbox: the scorer {self.factory} did not start inside the sandbox")
+            errors.seek(0)
+            said = errors.read()[-2000:].decode(errors="replace").strip().splitlines()
+            errors.close()
+            raise SandboxUnavailable(f"sandbox: the scorer {self.factory} did not start inside the sandbox"
+                                     + (f": {said[-1]}" if said else ""))
+        errors.close()
 
     def _reply(self, timeout: float):
         """One JSON line from the process within `timeout` seconds, else None."""

@@ -427,3 +427,26 @@ def test_a_run_with_code_rows_starts(tmp_path):
              "--dynamic-sampling", "false", "--train-groups", "2", "--prompts-per-step", "2", "--dump-samples", "0",
              "--out", str(tmp_path / "out")], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_reasoning_gym_scores_from_a_virtual_environment(tmp_path):
+    """A venv made as the README says (`python3 -m venv`) holds packages its base interpreter does not see: the
+    scorer server ran the base interpreter (the venv's python resolved to its target), without them, so every
+    check scored 0 and `--data rg:NAME` was refused. The venv here reaches this environment's packages through a
+    .pth file instead of installing them again."""
+    venv = tmp_path / "venv"
+    made = run([sys.executable, "-m", "venv", str(venv)], timeout=120, warm=False)
+    assert made.returncode == 0, made.stderr[-2000:]
+    python = str(venv / "bin" / "python")
+    site = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], timeout=60, warm=False)
+    ours = [p for p in sys.path if p.endswith("-packages") and os.path.isdir(p)]
+    with open(os.path.join(site.stdout.strip(), "ulorl_test.pth"), "w") as f:
+        f.write("\n".join(ours) + "\n")
+    code = ("import json, sys\nimport data, verifiers\n"
+            "row = data.rg_rows('rg:countdown:4', 0)[0]\n"
+            "gold = json.loads(row['answer'])['answer']\n"
+            "print(sys.prefix, verifiers.rg_reward(f'<answer>{gold}</answer>', row['answer']))")
+    p = run([python, "-c", code], timeout=300, warm=False, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == [str(venv), "1.0"], p.stdout
