@@ -11,18 +11,19 @@ library writes itself (config, tokenizer) are read back. Resume checks every fil
 flipped bit anywhere is caught, at the cost of reading the checkpoint once (a 30B policy + reference + AdamW
 in fp32 is ~0.7 TB over all ranks: minutes at a few GB/s). Everything is written to `step_NNNNNN.tmp`,
 fsynced, then renamed (a step saved again, on the engine-failure path, is swapped in with one
-renameat2(RENAME_EXCHANGE)): at every instant a complete checkpoint is there, the old or the new. Which
+renameat2(RENAME_EXCHANGE)): at every instant a complete checkpoint is there, the old or the new. Every file is
+written and read through an outdir.Folder (a held folder descriptor; no link followed, regular files of one
+link only), so a name swapped under --out while a save runs makes the save fail, never write elsewhere. Which
 checkpoint a run resumes, and the --out folder's lock, are outdir.py's.
 """
 import copy
-import ctypes
 import errno
 import dataclasses
 import hashlib
 import json
 import os
 import random
-import shutil
+import tempfile
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -30,12 +31,9 @@ from torch.distributed.tensor import DTensor
 import distributed
 import model as model_lib
 import outdir
+from outdir import Folder
 from segment_rollout import Pools, Sample
 from ulorl import Prefetched, RunState
-
-AT_FDCWD, RENAME_EXCHANGE = -100, 2
-_libc = ctypes.CDLL(None, use_errno=True)
-
 
 def local_shards(obj):
     """An optimizer state dict with each sharded (DTensor) value replaced by this rank's shard."""
@@ -60,23 +58,22 @@ def load_optimizer(opt, saved: dict) -> None:
     opt.load_state_dict(saved)
 
 
-def write_manifest(tmp: str, run_id: str, step: int, digests: dict[str, dict]) -> None:
+def write_manifest(folder: Folder, run_id: str, step: int, digests: dict[str, dict]) -> None:
     """manifest.json: which run and step wrote the checkpoint, and each file's size and sha256: from `digests`
     (relative path -> {size, sha256}, taken as the files were written), else read now."""
-    files = sorted(os.path.relpath(os.path.join(d, n), tmp) for d, _, names in os.walk(tmp) for n in names)
     listing = {}
-    for f in files:
-        path = os.path.join(tmp, f)
-        listing[f] = digests.get(f) or {"size": os.path.getsize(path), "sha256": outdir.file_digest(path)}
-        if listing[f]["size"] != os.path.getsize(path):
-            raise OSError(errno.EIO, f"{f} has {os.path.getsize(path)} bytes on disk, {listing[f]['size']} were "
-                                     f"written", path)
-    with open(os.path.join(tmp, "manifest.json"), "w") as fh:
+    for name in folder.files():
+        with folder.open(name, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            listing[name] = digests.get(name) or {"size": size, "sha256": outdir.file_digest(f)}
+            if listing[name]["size"] != size:
+                raise OSError(errno.EIO, f"{name} has {size} bytes on disk, {listing[name]['size']} were written",
+                              os.path.join(folder.path, name))
+    with folder.open("manifest.json", "w", new=True) as fh:
         json.dump({"run": run_id, "step": step, "files": listing}, fh, indent=1)
-    for f in files + ["manifest.json"]:  # data on disk before the rename makes it visible
-        fd = os.open(os.path.join(tmp, f), os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+    for name in [*listing, "manifest.json"]:  # data on disk before the rename makes it visible
+        with folder.open(name, "rb") as f:
+            os.fsync(f.fileno())
 
 
 def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, state: RunState, cfg,
@@ -85,19 +82,36 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
     gathered from the shards (rank 0 writes them) and each rank writes its own optimizer state. `cfg` is
     config.py's Config; the newest --keep-last checkpoints in cfg.out are kept."""
     lead = distributed.rank() == 0
-    tmp = path + ".tmp"
-    if lead:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+    name = os.path.basename(path)
+    with Folder.at(os.path.dirname(path) or ".") as out:
+        if lead:
+            if name + ".tmp" in out.names():
+                out.remove(name + ".tmp")
+            out.sub(name + ".tmp", create=True).close()
+        distributed.barrier()
+        with out.sub(name + ".tmp") as tmp:
+            _save_into(tmp, lm, ref_lm, tokenizer, opt, sched, engine, pools, state, cfg, git)
+            if lead:
+                publish(out, tmp, name)
+                outdir.prune(out.path, cfg.keep_last, state.run_id)
     distributed.barrier()
+
+
+def _save_into(tmp: Folder, lm, ref_lm, tokenizer, opt, sched, engine, pools, state, cfg, git) -> None:
+    lead = distributed.rank() == 0
     digests = {}  # relative path -> {size, sha256}, hashed as written
     dtype = model_lib.DTYPES[cfg.dtype]  # what a user serves: the run's dtype, whatever the masters' (fp32)
     for model, sub in ((lm, ""), (ref_lm, "reference")):
         if model is not None:
             if lead:
-                written = save_weights(model, distributed.hf_weights(model, dtype=dtype), tokenizer,
-                                                 os.path.join(tmp, sub), dtype=dtype)
-                digests.update({os.path.join(sub, name): d for name, d in written.items()})
+                folder = tmp.sub(sub, create=True) if sub else tmp
+                try:
+                    written = save_weights(model, distributed.hf_weights(model, dtype=dtype), tokenizer, folder,
+                                           dtype=dtype)
+                finally:
+                    if sub:
+                        folder.close()
+                digests.update({os.path.join(sub, n): d for n, d in written.items()})
             else:
                 distributed.gather_only(model, dtype)
     # a bf16 run's fp32 master weights (what AdamW steps; the export above is rounded), this rank's shards
@@ -106,7 +120,7 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
     name = f"trainer_state_rank{distributed.rank()}.pt"
     written = torch_save({"optimizer": local_shards(opt.state_dict()), "masters": masters,
                           "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state(),
-                          "engine_rng": engine.rng_state() if engine is not None else None}, os.path.join(tmp, name))
+                          "engine_rng": engine.rng_state() if engine is not None else None}, tmp, name)
     for ranks_digest in distributed.gather_objects({name: written}):  # every rank's, to rank 0's manifest
         digests.update(ranks_digest)
     distributed.barrier()
@@ -119,22 +133,19 @@ def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, sta
                       "next_uid": pools.next_uid, "next_group": pools.next_group}
         routes = {s.uid: s.routing for s in pooled(pools, state) if s.routing is not None}
         if routes:  # --routing-replay: layers x top_k bytes a token, binary beside the JSON
-            digests["routing.pt"] = torch_save(routes, os.path.join(tmp, "routing.pt"))
-        with HashingWriter(os.path.join(tmp, "ulorl_state.json")) as f:
+            digests["routing.pt"] = torch_save(routes, tmp, "routing.pt")
+        with HashingWriter(tmp, "ulorl_state.json") as f:
             f.write(json.dumps({"config": dataclasses.asdict(cfg), "git": git, **run_state,
                                 "world_size": distributed.world(), "python_rng": random.getstate(),
                                 "pools": pool_state}).encode())
         digests["ulorl_state.json"] = f.digest()
         write_manifest(tmp, state.run_id, state.step, digests)
-        publish(tmp, path)
-        outdir.prune(cfg.out, cfg.keep_last, state.run_id)
-    distributed.barrier()
 
 
-def torch_save(obj, path: str) -> dict:
-    """torch.save into `path`, hashed as written; returns its {size, sha256}. A refused write (a full disk) is
-    the OSError it was, not the RuntimeError torch's writer wraps it in."""
-    with HashingWriter(path) as f:
+def torch_save(obj, folder: Folder, name: str) -> dict:
+    """torch.save into `name` in `folder`, hashed as written; returns its {size, sha256}. A refused write (a full
+    disk) is the OSError it was, not the RuntimeError torch's writer wraps it in."""
+    with HashingWriter(folder, name) as f:
         try:
             torch.save(obj, f)
         except RuntimeError:
@@ -144,19 +155,23 @@ def torch_save(obj, path: str) -> dict:
     return f.digest()
 
 
-def publish(tmp: str, path: str) -> None:
-    """The finished checkpoint `tmp` becomes `path`. A new step is a rename. A step saved again (the engine
-    failure path) is swapped with its old copy in one renameat2(RENAME_EXCHANGE), and the old copy, now
-    under `tmp`'s name, deleted: deleting first and renaming after would leave, for a SIGKILL in between,
-    only a `.tmp` that resume does not trust."""
-    if not os.path.exists(path):
-        os.replace(tmp, path)
-        return
-    if _libc.renameat2(AT_FDCWD, os.fsencode(tmp), AT_FDCWD, os.fsencode(path), RENAME_EXCHANGE) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, f"swapping in a checkpoint with renameat2(RENAME_EXCHANGE) failed ({os.strerror(code)}; "
-                            f"a file system without it, such as NFS, cannot hold --out)", path)
-    shutil.rmtree(tmp)
+def publish(out: Folder, tmp: Folder, name: str) -> None:
+    """The finished checkpoint `tmp` (held open, named `name`.tmp in `out`) becomes `name`. A new step is a
+    rename. A step saved again (the engine failure path) is swapped with its old copy in one renameat2
+    (RENAME_EXCHANGE), and the old copy, now under the `.tmp` name, deleted: deleting first and renaming after
+    would leave, for a SIGKILL in between, only a `.tmp` that resume does not trust. The name must hold `tmp`
+    itself before and after: something else put there while the save ran (a link to another folder) fails it."""
+    def check(at: str, when: str) -> None:
+        if not out.holds(at, tmp):
+            raise ValueError(f"{os.path.join(out.path, at)} was replaced {when} (something else writes into --out); "
+                             f"the checkpoint was not published")
+    check(name + ".tmp", "while the checkpoint was written")
+    if name not in out.names():
+        out.replace(name + ".tmp", name)
+    else:
+        out.exchange(name + ".tmp", name)
+        out.remove(name + ".tmp")
+    check(name, "as the checkpoint was published")
 
 
 def pooled(pools: Pools, state: RunState) -> list[Sample]:
@@ -174,12 +189,18 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
     state, so a sharded run resumes on the same number of ranks. A bf16 run's fp32 master weights replace
     the rounded ones the model loaded with: the optimizer's parameters, and `masters` (distributed.MasterWeights)
     copies them into the module."""
-    with open(os.path.join(path, "ulorl_state.json")) as f:
-        saved = json.load(f)
-    if saved["world_size"] != distributed.world():
-        raise ValueError(f"--resume {path}: saved by {saved['world_size']} trainer process(es), resumed "
-                         f"with {distributed.world()}; run with --nproc-per-node {saved['world_size']}")
-    trainer = torch.load(os.path.join(path, f"trainer_state_rank{distributed.rank()}.pt"), weights_only=True)
+    with Folder.at(os.path.dirname(path) or ".") as out, out.sub(os.path.basename(path)) as folder:
+        with folder.open("ulorl_state.json", "r") as f:
+            saved = json.load(f)
+        if saved["world_size"] != distributed.world():
+            raise ValueError(f"--resume {path}: saved by {saved['world_size']} trainer process(es), resumed "
+                             f"with {distributed.world()}; run with --nproc-per-node {saved['world_size']}")
+        with folder.open(f"trainer_state_rank{distributed.rank()}.pt", "rb") as f:
+            trainer = torch.load(f, weights_only=True)
+        routes = None
+        if distributed.rank() == 0 and "routing.pt" in folder.names():  # only rank 0 samples
+            with folder.open("routing.pt", "rb") as f:
+                routes = torch.load(f, weights_only=True)
     load_optimizer(opt, trainer["optimizer"])
     if trainer.get("masters") is not None:
         with torch.no_grad():
@@ -203,8 +224,7 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
             setattr(state, f.name, saved[f.name])
     state.prefetched = Prefetched(**saved["prefetched"]) if saved.get("prefetched") else None
     state.ready = [[Sample(**d) for d in g] for g in p["ready"]]
-    if distributed.rank() == 0 and os.path.exists(os.path.join(path, "routing.pt")):  # only rank 0 samples
-        routes = torch.load(os.path.join(path, "routing.pt"), weights_only=True)
+    if routes is not None:
         for s in pooled(pools, state):
             s.routing = routes.get(s.uid)
 
@@ -212,11 +232,12 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
 # ------------------------------------------------------------------ HF-format weights with their digests
 
 class HashingWriter:
-    """A file opened for writing whose bytes are hashed (sha256) as they pass: a checkpoint's manifest gets
+    """A new file `name` in `folder` whose bytes are hashed (sha256) as they pass: a checkpoint's manifest gets
     every file's digest without reading anything back (at 30B that would be ~120 GB more to read a save)."""
 
-    def __init__(self, path: str):
-        self.file, self.sha, self.size = open(path, "wb"), hashlib.sha256(), 0
+    def __init__(self, folder: Folder, name: str):
+        self.file, self.sha, self.size = folder.open(name, "wb", new=True), hashlib.sha256(), 0
+        self.path = os.path.join(folder.path, name)
         self.error: OSError | None = None  # the refused write, for a caller that gets it wrapped (torch.save)
 
     def write(self, data) -> int:
@@ -226,7 +247,7 @@ class HashingWriter:
         try:
             return self.file.write(view)
         except OSError as e:  # name the file (a full disk's error names none)
-            self.error = OSError(e.errno, e.strerror, self.file.name)
+            self.error = OSError(e.errno, e.strerror, self.path)
             raise self.error from None
 
     def flush(self) -> None:
@@ -267,21 +288,25 @@ def write_safetensors(tensors: dict[str, torch.Tensor], f, metadata: dict | None
             f.write(t.contiguous().view(-1).view(torch.uint8).numpy())
 
 
-def save_weights(lm, weights, tokenizer, path: str, max_shard_bytes: int = 5 << 30,
+def save_weights(lm, weights, tokenizer, dest: "Folder | str", max_shard_bytes: int = 5 << 30,
                  dtype: torch.dtype | None = None) -> dict[str, dict]:
-    """An HF-format checkpoint written as the (name, tensor) pairs stream in (hf_weights: a decoder layer at
-    a time): safetensors shards of at most `max_shard_bytes` with model.safetensors.index.json (a single
-    model.safetensors when all fits one), config, tokenizer; loadable by from_pretrained and vLLM. Host
-    memory holds one shard and one layer, never the whole model. In a sharded run every rank walks
-    hf_weights() (or gather_only) and only rank 0 calls this with it. Returns the size and sha256 of each
-    weight file written, by its name in `path`, hashed as written. dtype: the weights' dtype as config.json
-    states it (hf_weights(dtype=...) casts them; fp32 master weights are exported in the run's dtype)."""
-    os.makedirs(path, exist_ok=True)
+    """An HF-format checkpoint written into `dest` (a Folder, or a path made if needed) as the (name, tensor) pairs
+    stream in (hf_weights: a decoder layer at a time): safetensors shards of at most `max_shard_bytes` with
+    model.safetensors.index.json (a single model.safetensors when all fits one), config, tokenizer; loadable by
+    from_pretrained and vLLM. Host memory holds one shard and one layer, never the whole model. In a sharded
+    run every rank walks hf_weights() (or gather_only) and only rank 0 calls this with it. Returns the size and
+    sha256 of each file written, by its name in `dest`, hashed as written. dtype: the weights' dtype as
+    config.json states it (hf_weights(dtype=...) casts them; fp32 master weights are exported in the run's
+    dtype)."""
+    if isinstance(dest, str):
+        os.makedirs(dest, exist_ok=True)
+        with Folder.at(dest) as folder:
+            return save_weights(lm, weights, tokenizer, folder, max_shard_bytes, dtype)
     shard, size, files, weight_map, digests = {}, 0, [], {}, {}
 
     def write():
         files.append(f"model-{len(files) + 1:05d}.safetensors")
-        with HashingWriter(os.path.join(path, files[-1])) as f:
+        with HashingWriter(dest, files[-1]) as f:
             write_safetensors(shard, f, metadata={"format": "pt"})
         digests[files[-1]] = f.digest()
         weight_map.update(dict.fromkeys(shard, files[-1]))
@@ -299,16 +324,26 @@ def save_weights(lm, weights, tokenizer, path: str, max_shard_bytes: int = 5 << 
     final = {files[0]: "model.safetensors"} if len(files) == 1 else \
         {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
     for f, g in final.items():
-        os.replace(os.path.join(path, f), os.path.join(path, g))
+        dest.replace(f, g)
+    digests = {final[f]: d for f, d in digests.items()}
     if len(files) > 1:
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}},
-                      f, indent=2)
+        with HashingWriter(dest, "model.safetensors.index.json") as f:
+            f.write(json.dumps({"metadata": {"total_size": total},
+                                "weight_map": {k: final[v] for k, v in weight_map.items()}}, indent=2).encode())
+        digests["model.safetensors.index.json"] = f.digest()
     config = copy.deepcopy(lm.config)
     if dtype is not None:
         config.dtype = dtype
-    config.save_pretrained(path)
-    if getattr(lm, "generation_config", None) is not None:
-        lm.generation_config.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return {final[f]: d for f, d in digests.items()}
+    # what the libraries write themselves (config, generation config, tokenizer) goes to a private folder first,
+    # then into `dest` through HashingWriter: a library opens paths, and would follow a link planted in --out
+    with tempfile.TemporaryDirectory(prefix="ulorl_save_") as private:
+        config.save_pretrained(private)
+        if getattr(lm, "generation_config", None) is not None:
+            lm.generation_config.save_pretrained(private)
+        tokenizer.save_pretrained(private)
+        for name in sorted(os.listdir(private)):
+            with open(os.path.join(private, name), "rb") as src, HashingWriter(dest, name) as f:
+                for block in iter(lambda: src.read(1 << 20), b""):
+                    f.write(block)
+            digests[name] = f.digest()
+    return digests

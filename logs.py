@@ -10,7 +10,7 @@ import math
 import os
 import subprocess
 
-from outdir import open_run_file
+from outdir import Folder
 
 
 def git_hash() -> str:
@@ -28,23 +28,25 @@ def write_record(f, rec: dict) -> None:
     f.flush()
 
 
-def open_for_append(path: str, resumed_step: int | None):
-    """`path` open for appending; on resume without the records of steps after `resumed_step`."""
+def open_for_append(folder: Folder, name: str, resumed_step: int | None):
+    """The file `name` in the run's folder, open for appending; on resume without the records of steps after
+    `resumed_step`."""
     keep = []
-    if resumed_step is not None and os.path.exists(path):
-        with open_run_file(path, "r") as f:
+    if resumed_step is not None and name in folder.names():
+        with folder.open(name, "r") as f:
             keep = [line for line in f if line.strip() and json.loads(line)["step"] <= resumed_step]
-    with open_run_file(path, "w") as f:
+    with folder.open(name, "w") as f:
         f.writelines(keep)
-    return open_run_file(path, "a")
+    return folder.open(name, "a")
 
 
 class RunLog:
     """Rank 0's records of a run in `cfg.out` (config.py's `Config`)."""
 
     def __init__(self, cfg, resumed_step: int | None):
-        self.metrics = open_for_append(os.path.join(cfg.out, "metrics.jsonl"), resumed_step)
-        self.samples = open_for_append(os.path.join(cfg.out, "samples.jsonl"), resumed_step)
+        with Folder.at(cfg.out) as out:
+            self.metrics = open_for_append(out, "metrics.jsonl", resumed_step)
+            self.samples = open_for_append(out, "samples.jsonl", resumed_step)
         self.first = {} if resumed_step is not None else {"git": git_hash(), "config": dataclasses.asdict(cfg)}
         self.tb = self.wandb = None
         targets = set(cfg.report_to.split(","))

@@ -4,25 +4,174 @@ A run holds `--out/.lock` (an exclusive flock, rank 0, for its whole life): a se
 refused instead of mixing its records and checkpoints with the first's. flock is local to one machine: it
 does not keep out a run on another machine writing to the same network file system. A folder holding a run is
 never written over unless --resume continues it or --overwrite deletes it; --resume auto takes the newest
-checkpoint whose files all match the sizes and sha256 digests in its manifest.json. The run's files are opened
-without following links, and a refused write (full disk, read-only --out) is reported with what is safe.
+checkpoint whose files all match the sizes and sha256 digests in its manifest.json. Everything inside --out is
+reached through a `Folder` (a held directory descriptor, no link followed, regular files of one link only), and a
+refused write (full disk, read-only --out) is reported with what is safe.
 """
+import ctypes
 import errno
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
+import stat
 import sys
 import time
 
 
-def file_digest(path: str) -> str:
+AT_RENAME_EXCHANGE = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_OPEN = {"r": os.O_RDONLY, "w": os.O_WRONLY | os.O_CREAT, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+         "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND}
+
+
+class Folder:
+    """A folder of the run held by its descriptor. What is inside is named relative to it and reached without
+    following a link, so a name swapped while the run writes (a link put in place of step_N.tmp by anyone who can
+    write into --out) cannot send a write elsewhere: it lands in the folder this object holds, wherever that is
+    now. Its files must be regular files with one link (a hard link would be cut or written through as well), and
+    are checked before anything could wait on them (a FIFO)."""
+
+    def __init__(self, fd: int, path: str):
+        self.fd, self.path = fd, path
+
+    @classmethod
+    def at(cls, path: str) -> "Folder":
+        """The folder `path` (--out itself may be a link: the run was pointed there)."""
+        return cls(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def sub(self, name: str, create: bool = False) -> "Folder":
+        """The folder `name` inside this one (made first with `create`), never through a link."""
+        if create:
+            os.mkdir(name, 0o777, dir_fd=self.fd)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise ValueError(f"{os.path.join(self.path, name)} is not a folder but {self.kind(name)}; a run "
+                                 f"writes only into --out itself: remove it") from None
+            raise
+        return Folder(fd, os.path.join(self.path, name))
+
+    def kind(self, name: str) -> str:
+        """What `name` is, in words, without following a link."""
+        mode = os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode
+        return next((what for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                                             (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"),
+                                             (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"),
+                                             (stat.S_ISREG, "a file")) if test(mode)), "something else")
+
+    def open(self, name: str, mode: str = "rb", new: bool = False):
+        """The file `name` ("r", "w", "a", "a+", with or without "b"; "w" truncates once the file is checked;
+        `new`: it must not exist yet). A link, a FIFO, a device or a file with another link is refused, naming it."""
+        if "/" in name:  # a file in a folder below: each folder on the way is reached as this one is
+            head, rest = name.split("/", 1)
+            with self.sub(head) as below:
+                return below.open(rest, mode, new)
+        path = os.path.join(self.path, name)
+        try:  # what is there already is looked at before it is opened: opening a device may do something
+            there = os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            there = stat.S_IFREG
+        if not stat.S_ISREG(there):
+            raise ValueError(f"{path} is {self.kind(name)}, not a file; a run's files are regular files inside "
+                             f"--out: remove it")
+        flags = _OPEN[mode.replace("b", "")] | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_EXCL if new else 0)
+        try:
+            fd = os.open(name, flags, 0o666, dir_fd=self.fd)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENXIO):  # ENXIO: a FIFO opened for writing with no reader
+                raise ValueError(f"{path} is {'a symbolic link' if e.errno == errno.ELOOP else 'a FIFO'}; a run's "
+                                 f"files are regular files inside --out: remove it") from None
+            raise
+        st = os.fstat(fd)
+        why = None if stat.S_ISREG(st.st_mode) else f"is {self.kind(name)}, not a file"
+        why = why or (f"has {st.st_nlink} links (a hard link: writing it would write another file too)"
+                      if st.st_nlink != 1 else None)
+        if why:
+            os.close(fd)
+            raise ValueError(f"{path} {why}; a run's files are its own: remove it")
+        os.set_blocking(fd, True)
+        if mode.startswith("w"):
+            os.ftruncate(fd, 0)
+        return os.fdopen(fd, mode)
+
+    def names(self) -> list[str]:
+        return os.listdir(self.fd)
+
+    def files(self) -> list[str]:
+        """Every name below this folder that is not a folder (links and FIFOs included, none followed), as paths
+        relative to it, sorted."""
+        out = []
+
+        def walk(fd: int, prefix: str) -> None:
+            for entry in os.scandir(fd):
+                if entry.is_dir(follow_symlinks=False):
+                    sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                    try:
+                        walk(sub, os.path.join(prefix, entry.name))
+                    finally:
+                        os.close(sub)
+                else:
+                    out.append(os.path.join(prefix, entry.name))
+        walk(self.fd, "")
+        return sorted(out)
+
+    def fsync(self, name: str) -> None:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def holds(self, name: str, folder: "Folder") -> bool:
+        """Whether `name` here is `folder` itself (the same inode, not a link to it or a stand-in)."""
+        try:
+            here = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(folder.fd)
+        return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
+
+    def replace(self, old: str, new: str) -> None:
+        os.replace(old, new, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def exchange(self, a: str, b: str) -> None:
+        """Swap the names `a` and `b` in one step (renameat2 RENAME_EXCHANGE)."""
+        if _libc.renameat2(self.fd, os.fsencode(a), self.fd, os.fsencode(b), AT_RENAME_EXCHANGE) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"swapping in a checkpoint with renameat2(RENAME_EXCHANGE) failed ({os.strerror(code)}"
+                                f"; a file system without it, such as NFS, cannot hold --out)",
+                          os.path.join(self.path, b))
+
+    def remove(self, name: str) -> None:
+        """Delete `name` (a folder with all it holds), never following a link out of this folder."""
+        if self.kind(name) == "a folder":
+            shutil.rmtree(name, dir_fd=self.fd)
+        else:
+            os.unlink(name, dir_fd=self.fd)
+
+
+def file_digest(f) -> str:
+    """sha256 of an open binary file, from its start."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    f.seek(0)
+    for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
     return h.hexdigest()
 
 
@@ -32,7 +181,8 @@ def lock_out(out: str):
     another live run holds is refused, naming that run's pid and host."""
     try:
         os.makedirs(out, exist_ok=True)
-        f = open_run_file(os.path.join(out, ".lock"), "a+")
+        with Folder.at(out) as folder:
+            f = folder.open(".lock", "a+")
     except OSError as e:
         raise ValueError(f"--out {out}: cannot write there ({e.strerror})") from None
     try:
@@ -69,55 +219,84 @@ def prune(out: str, keep_last: int, run_id: str) -> list[str]:
     another run wrote. Returns the names deleted."""
     mine = [name for name in list_checkpoints(out) if read_manifest(os.path.join(out, name)).get("run") == run_id]
     gone = mine[:-keep_last] if keep_last > 0 else []
-    for name in gone:
-        shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    with Folder.at(out) as folder:
+        for name in gone:
+            folder.remove(name)
     return gone
 
 
+CHECKPOINT = re.compile(r"step_(\d+)")
+
+
 def list_checkpoints(out: str) -> list[str]:
-    """step_NNNNNN directories in `out`, oldest first (unfinished `.tmp` writes excluded)."""
+    """step_N folders in `out`, oldest first by N (step_1000000 after step_999999), unfinished `.tmp` writes
+    excluded."""
     if not os.path.isdir(out):
         return []
-    return sorted(d for d in os.listdir(out) if d.startswith("step_") and not d.endswith(".tmp"))
+    steps = [(int(m.group(1)), name) for name in os.listdir(out) if (m := CHECKPOINT.fullmatch(name))]
+    return [name for _, name in sorted(steps)]
 
 
 def read_manifest(path: str) -> dict:
     """A checkpoint's manifest, {} when it has none that parses."""
     try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        with Folder.at(os.path.dirname(path) or ".") as parent, parent.sub(os.path.basename(path)) as folder, \
+                folder.open("manifest.json", "rb") as f:
+            found = json.loads(f.read(MANIFEST_BYTES))
+        return found if isinstance(found, dict) else {}
+    except (OSError, ValueError, RecursionError):
         return {}
+
+
+MANIFEST_BYTES = 64 << 20  # a manifest lists a few dozen files: more than this is no manifest a run wrote
 
 
 def problem(path: str) -> str | None:
     """Why a checkpoint cannot be trusted, or None. Trusted: a manifest that lists every file of the checkpoint
-    (ulorl_state.json among them) with its size and sha256, and every file matching them; a file the manifest
-    does not list (a routing.pt put there) is a reason too, since resume would load it."""
+    (ulorl_state.json among them) with its size and sha256, and every file matching them: a regular file of one
+    link, whole (no holes: a run writes every byte), its size as listed, then its digest. Sizes are checked before
+    any file is read, so a file listed at 16 TiB is refused at once, not hashed for hours. A file the manifest does
+    not list (a routing.pt put there) is a reason too, since resume would load it."""
     try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            listing = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        with Folder.at(os.path.dirname(path) or ".") as parent, parent.sub(os.path.basename(path)) as folder:
+            return _problem(folder)
+    except (OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _problem(folder: Folder) -> str | None:
+    try:
+        with folder.open("manifest.json", "rb") as f:
+            listing = json.loads(f.read(MANIFEST_BYTES))["files"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         return f"no readable manifest.json with a file listing ({type(e).__name__}: {e})"
     if not isinstance(listing, dict) or "ulorl_state.json" not in listing:
         return "the manifest does not list ulorl_state.json"
-    on_disk = {os.path.relpath(os.path.join(d, n), path) for d, _, names in os.walk(path) for n in names} - \
-        {"manifest.json"}
+    on_disk = set(folder.files()) - {"manifest.json"}
     if unlisted := sorted(on_disk - set(listing)):
         return f"{unlisted[0]} is not in the manifest"
     for name, want in listing.items():
-        if not isinstance(want, dict) or not isinstance(want.get("size"), int) or \
-                not isinstance(want.get("sha256"), str):
+        if not isinstance(want, dict) or type(want.get("size")) is not int or not isinstance(want.get("sha256"), str):
             return f"the manifest lists {name} without its size and sha256"
         if name not in on_disk:
             return f"{name} is missing"
-        p = os.path.join(path, name)
-        if os.path.islink(p):
-            return f"{name} is a symbolic link"
-        if os.path.getsize(p) != want["size"]:
-            return f"{name} has {os.path.getsize(p)} bytes, the manifest says {want['size']}"
-        if file_digest(p) != want["sha256"]:
-            return f"{name} does not match its sha256 in the manifest"
+    opened = {}
+    try:
+        for name, want in listing.items():  # every size first: nothing is read until all are right
+            f = opened[name] = folder.open(name, "rb")
+            st = os.fstat(f.fileno())
+            if st.st_size != want["size"]:
+                return f"{name} has {st.st_size} bytes, the manifest says {want['size']}"
+            if st.st_size and os.lseek(f.fileno(), 0, os.SEEK_HOLE) < st.st_size:
+                return f"{name} has holes (a sparse file): a run writes every byte of a checkpoint"
+        for name, want in listing.items():
+            if file_digest(opened[name]) != want["sha256"]:
+                return f"{name} does not match its sha256 in the manifest"
+    except ValueError as e:  # a link, a FIFO, a device or a hard link where a file is listed
+        return str(e).removeprefix(folder.path + "/").split("; ")[0]
+    finally:
+        for f in opened.values():
+            f.close()
     return None
 
 
@@ -127,7 +306,7 @@ def run_files(out: str) -> list[str]:
     if not os.path.isdir(out):
         return []
     found = [n for n in ("metrics.jsonl", "samples.jsonl")
-             if os.path.exists(os.path.join(out, n)) and os.path.getsize(os.path.join(out, n)) > 0]
+             if os.path.lexists(os.path.join(out, n)) and os.lstat(os.path.join(out, n)).st_size > 0]
     return found + sorted(d for d in os.listdir(out) if d.startswith("step_") or d in TRACKERS)
 
 
@@ -145,19 +324,6 @@ def refuse_links(out: str) -> None:
             if os.path.islink(os.path.join(d, name)):
                 raise ValueError(f"--out {out}: {os.path.join(d, name)} is a symbolic link; a run writes only "
                                  f"into --out itself: remove the link, or choose another --out")
-
-
-def open_run_file(path: str, mode: str):
-    """A file of the run in --out, opened without following a link at its name ("r", "w", "a" or "a+")."""
-    flags = {"r": os.O_RDONLY, "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-             "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND}[mode]
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise ValueError(f"{path} is a symbolic link; a run writes only into --out itself") from None
-        raise
-    return os.fdopen(fd, mode)
 
 
 def find_resume(resume: str, out: str, overwrite: bool = False) -> str | None:
@@ -203,7 +369,7 @@ def find_resume(resume: str, out: str, overwrite: bool = False) -> str | None:
 def clear_run(out: str) -> list[str]:
     """--overwrite: delete the run held in `out` (run_files); returns what was deleted."""
     held = run_files(out)
-    for name in held:
-        path = os.path.join(out, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    with Folder.at(out) as folder:
+        for name in held:
+            folder.remove(name)
     return held

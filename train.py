@@ -9,11 +9,11 @@ Owns the run: loading, the RL loop in the papers' order (`main`, its steps numbe
 and the console line; placement.py decides where everything runs. Under torchrun every process is a trainer
 rank; rank 0 also owns the rollout engine, the pools, the data and the logs, and hands every rank the batch.
 """
+import contextlib
 import dataclasses
 import functools
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -166,7 +166,8 @@ def save_checkpoint(path: str, **kw) -> None:
     try:
         checkpoint.save(path, **kw)
     except OSError as e:
-        shutil.rmtree(path + ".tmp", ignore_errors=True)
+        with contextlib.suppress(OSError, ValueError), outdir.Folder.at(kw["cfg"].out) as out:
+            out.remove(os.path.basename(path) + ".tmp")
         if (error := outdir.write_error(e, f"could not write checkpoint {path}", kw["cfg"].out)) is None:
             raise
         raise error from None

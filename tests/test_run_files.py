@@ -4,11 +4,16 @@ with a raw traceback, before.
 
     python -m pytest tests/test_run_files.py
 """
+import ctypes
 import json
 import os
+import shutil
 import signal
+import stat
+import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -29,15 +34,16 @@ def fake_checkpoint(path, big_mib: int = 0, extra: str = ""):
     among them), then the manifest."""
     os.makedirs(path)
     digests = {}
-    if big_mib:
-        with checkpoint.HashingWriter(os.path.join(path, "model-00001-of-00002.safetensors")) as f:
-            checkpoint.write_safetensors({"w": torch.arange(big_mib << 18, dtype=torch.float32)}, f)
-        digests["model-00001-of-00002.safetensors"] = f.digest()
-    with open(os.path.join(path, "config.json"), "w") as f:  # a file a library writes: read back for its hash
-        f.write("{" + extra + "}")
-    with open(os.path.join(path, "ulorl_state.json"), "w") as f:
-        f.write("{}")
-    checkpoint.write_manifest(path, "run-1", 1, digests)
+    with outdir.Folder.at(path) as folder:
+        if big_mib:
+            with checkpoint.HashingWriter(folder, "model-00001-of-00002.safetensors") as f:
+                checkpoint.write_safetensors({"w": torch.arange(big_mib << 18, dtype=torch.float32)}, f)
+            digests["model-00001-of-00002.safetensors"] = f.digest()
+        with open(os.path.join(path, "config.json"), "w") as f:  # a file written without a digest: read back
+            f.write("{" + extra + "}")
+        with open(os.path.join(path, "ulorl_state.json"), "w") as f:
+            f.write("{}")
+        checkpoint.write_manifest(folder, "run-1", 1, digests)
 
 
 @pytest.mark.slow
@@ -98,7 +104,7 @@ def test_links_inside_out_are_refused_and_nothing_is_written_through_them(tmp_pa
         assert f"{link} is a symbolic link" in p.stderr, p.stderr[-2000:]
     assert victim.read_text() == "precious" and not (tmp_path / "created").exists()
     with pytest.raises(ValueError, match="is a symbolic link"):  # a link that appears after the check
-        outdir.open_run_file(str(tmp_path / "out-.lock" / ".lock"), "a+")
+        outdir.Folder.at(str(tmp_path / "out-.lock")).open(".lock", "a+")
 
 
 def test_a_resaved_step_is_complete_at_every_instant(tmp_path, monkeypatch):
@@ -117,10 +123,11 @@ def test_a_resaved_step_is_complete_at_every_instant(tmp_path, monkeypatch):
             return real(*args, **kw)
         return call
 
-    monkeypatch.setattr(checkpoint.shutil, "rmtree", checked("rmtree", checkpoint.shutil.rmtree))
-    monkeypatch.setattr(checkpoint.os, "replace", checked("replace", os.replace))
-    checkpoint.publish(tmp, path)
-    assert calls == ["rmtree"] and not os.path.exists(tmp)  # the old copy, swapped out under tmp's name
+    for name in ("remove", "replace", "exchange"):
+        monkeypatch.setattr(outdir.Folder, name, checked(name, getattr(outdir.Folder, name)))
+    with outdir.Folder.at(str(tmp_path)) as out, out.sub("step_000001.tmp") as written:
+        checkpoint.publish(out, written, "step_000001")
+    assert calls == ["exchange", "remove"] and not os.path.exists(tmp)  # the old copy, swapped out under tmp's name
     assert "again" in open(os.path.join(path, "config.json")).read() and outdir.problem(path) is None
 
 
@@ -184,3 +191,138 @@ def test_a_read_only_out_says_so(tmp_path):
     p = in_a_small_mount(tmp_path, "ro", "--steps", "1")
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "cannot write there (Read-only file system)" in p.stderr
+
+
+# ------------------------------------------------------------------------ someone else writing into --out
+# On a shared file system anyone who can write into --out can put a link, a hard link or a FIFO there while a run
+# goes. Each of these sent the run's files elsewhere, cut another file, or hung resume without a message.
+
+def test_a_folder_swapped_for_a_link_while_a_checkpoint_is_written_sends_nothing_elsewhere(tmp_path):
+    out_path, outside = tmp_path / "out", tmp_path / "outside"
+    out_path.mkdir()
+    outside.mkdir()
+    with outdir.Folder.at(str(out_path)) as out, out.sub("step_000001.tmp", create=True) as tmp:
+        os.rename(out_path / "step_000001.tmp", out_path / "moved")  # the swap, after the folder was made
+        os.symlink(outside, out_path / "step_000001.tmp")
+        with checkpoint.HashingWriter(tmp, "ulorl_state.json") as f:
+            f.write(b"{}")
+        checkpoint.write_manifest(tmp, "run-1", 1, {"ulorl_state.json": f.digest()})
+        with pytest.raises(ValueError, match="step_000001.tmp was replaced while the checkpoint was written"):
+            checkpoint.publish(out, tmp, "step_000001")
+    assert os.listdir(outside) == [] and outdir.list_checkpoints(str(out_path)) == []
+    assert sorted(os.listdir(out_path / "moved")) == ["manifest.json", "ulorl_state.json"]
+
+
+def watch_and_swap(folder: str, name: str, target: str) -> threading.Thread:
+    """A thread that, the moment `name` appears in `folder` (inotify), moves it away and puts a link to
+    `target` in its place: the attack of a second user on a shared --out."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_CLOEXEC)
+    assert fd >= 0 and libc.inotify_add_watch(fd, folder.encode(), 0x100 | 0x80) >= 0  # IN_CREATE | IN_MOVED_TO
+
+    def watch():
+        try:
+            while True:
+                events = os.read(fd, 1 << 16)
+                while events:
+                    size = struct.unpack_from("iIII", events)[3]
+                    created = events[16:16 + size].rstrip(b"\0").decode()
+                    events = events[16 + size:]
+                    if created == name:
+                        os.rename(os.path.join(folder, name), os.path.join(folder, "moved"))
+                        os.symlink(target, os.path.join(folder, name))
+                        return
+        finally:
+            os.close(fd)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+def test_a_save_whose_folder_is_swapped_fails_with_a_message(tmp_path):
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    out.mkdir()
+    outside.mkdir()
+    watch_and_swap(str(out), "step_000001.tmp", str(outside))
+    p = run([sys.executable, "train.py", *RUN, "--steps", "1", "--out", str(out)], timeout=300, env=ENV)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "step_000001.tmp" in p.stderr and ("was replaced" in p.stderr or "symbolic link" in p.stderr), p.stderr
+    assert os.listdir(outside) == [] and outdir.list_checkpoints(str(out)) == []
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_hard_link_and_a_fifo_at_once(tmp_path):
+    """A metrics.jsonl / samples.jsonl hard-linked to another file: resume cut that file back and wrote the
+    run's prompts and responses into it. A FIFO at metrics.jsonl: resume waited on it forever, silently."""
+    done = tmp_path / "done"
+    first = run([sys.executable, "train.py", *RUN, "--steps", "1", "--out", str(done)], timeout=300, env=ENV)
+    assert first.returncode == 0, first.stderr[-3000:]
+    linked, piped, other = tmp_path / "linked", tmp_path / "piped", tmp_path / "other.jsonl"
+    for copy in (linked, piped):
+        shutil.copytree(done, copy)
+    other.write_text('{"step": 9, "precious": true}\n' * 3)
+    os.remove(linked / "samples.jsonl")
+    os.link(other, linked / "samples.jsonl")
+    os.remove(piped / "metrics.jsonl")
+    os.mkfifo(piped / "metrics.jsonl")
+    started = time.monotonic()
+    refused = run_many("train.py", [[*RUN, "--steps", "2", "--out", str(d), "--resume", "auto"] for d in (linked, piped)],
+                       timeout=120, env=ENV)
+    assert time.monotonic() - started < 100
+    for p, why in zip(refused, [f"{linked / 'samples.jsonl'} has 2 links", f"{piped / 'metrics.jsonl'} is a FIFO"]):
+        assert p.returncode == 1 and "Traceback" not in p.stderr and why in p.stderr, p.stderr[-3000:]
+    assert other.read_text() == '{"step": 9, "precious": true}\n' * 3
+
+
+def test_a_listed_fifo_device_hard_link_or_sparse_file_is_refused_at_once(tmp_path):
+    """A FIFO listed in the manifest hung resume; a listed 24 GiB sparse file (its size as listed) took 49 s to
+    hash before it was rejected. Every listed file is now checked (a regular file of one link, without holes,
+    its size) before any is read."""
+    def on_alarm(*_):
+        raise TimeoutError("the check waited")
+    signal.signal(signal.SIGALRM, on_alarm)
+    path = str(tmp_path / "step_000001")
+    fake_checkpoint(path)
+    manifest = json.load(open(os.path.join(path, "manifest.json")))
+    state = os.path.join(path, "ulorl_state.json")
+
+    def listed_as(make, size: int) -> str | None:
+        os.remove(state)
+        make()
+        manifest["files"]["ulorl_state.json"]["size"] = size
+        json.dump(manifest, open(os.path.join(path, "manifest.json"), "w"))
+        signal.alarm(5)
+        try:
+            start = time.monotonic()
+            why = outdir.problem(path)
+            assert time.monotonic() - start < 2.0
+            return why
+        finally:
+            signal.alarm(0)
+
+    assert listed_as(lambda: os.mkfifo(state), 0) == "ulorl_state.json is a FIFO, not a file"
+    other = tmp_path / "other"
+    other.write_text("{}")
+    assert listed_as(lambda: os.link(other, state), 2) == \
+        "ulorl_state.json has 2 links (a hard link: writing it would write another file too)"
+    os.remove(other)
+
+    def sparse():
+        with open(state, "wb") as f:
+            f.truncate(24 << 30)
+    assert listed_as(sparse, 24 << 30) == "ulorl_state.json has holes (a sparse file): a run writes every byte of a checkpoint"
+    if os.geteuid() == 0:  # a device node needs root to make
+        assert listed_as(lambda: os.mknod(state, stat.S_IFCHR | 0o600, os.makedev(1, 3)), 0) == \
+            "ulorl_state.json is a device, not a file"
+
+
+def test_checkpoints_are_ordered_by_step_number(tmp_path):
+    """step_1000000 sorted before step_999999 as text: --resume auto took the older, and --keep-last 1 deleted the
+    newer."""
+    out = str(tmp_path)
+    for name in ("step_999999", "step_1000000"):
+        fake_checkpoint(os.path.join(out, name))
+    assert outdir.list_checkpoints(out) == ["step_999999", "step_1000000"]
+    assert outdir.find_resume("auto", out) == os.path.join(out, "step_1000000")
+    assert outdir.prune(out, 1, "run-1") == ["step_999999"] and os.path.isdir(os.path.join(out, "step_1000000"))
