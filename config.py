@@ -243,8 +243,9 @@ class Config:
     reward_timeout: float = flag(5.0, "seconds per reward check; a check that takes longer scores 0",
                                  ok=POSITIVE)
     default_verifier: str = flag("math", "verifier of file rows without a 'verifier' field: math (last \\boxed{}, "
-                                         "else the last number), math_boxed (\\boxed{} only), code, ifeval, rg, tiny",
-                                 choices=sorted(verifiers.VERIFIERS))
+                                         "else the last number), math_boxed (\\boxed{} only), code, ifeval, tiny "
+                                         "(rg rows come only from --data rg:NAME)",
+                                 choices=sorted(set(verifiers.VERIFIERS) - {"rg"}))
     verifier_model: str = flag("", "generative verifier (UloRL 3.3): hub name or local HF directory of the judge "
                                    "model for math rows; '' = rule-based only")
     verifier_mode: str = flag("second_opinion", "with --verifier-model: second_opinion (ask the judge when the "

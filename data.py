@@ -19,6 +19,7 @@ import json
 import math
 import os
 import random
+import sys
 
 import verifiers
 import sandbox
@@ -151,12 +152,31 @@ def make_row(obj, where: str, prompt_key: str, answer_key: str, verifier_key: st
     if not isinstance(answer, str):
         raise ValueError(f"{where}: field '{answer_key}' (the answer) is a {type(answer).__name__}, expected a"
                          f" string or number: {str(answer)[:200]!r}")
+    if verifier not in verifiers.VERIFIERS:
+        raise ValueError(f"{where}: field '{verifier_key}' (the verifier) is {verifier[:100]!r}; known: "
+                         f"{', '.join(sorted(verifiers.VERIFIERS))}")
+    if verifier == "rg":  # its answer is the entry the library's scorer reads, and some scorers read answers as code
+        raise ValueError(f"{where}: field '{verifier_key}' (the verifier) is 'rg': Reasoning Gym rows are generated "
+                         f"here (--data rg:NAME), never read from a file, whose answer a scorer would run")
+    for field, text in [(prompt_key, prompt)] if isinstance(prompt, str) else \
+            [(f"{prompt_key}[{i}].content", m["content"]) for i, m in enumerate(prompt)]:
+        _check_text(text, where, field)
+    _check_text(answer, where, answer_key)
     if verifier in JSON_ANSWERS:
         try:
             JSON_ANSWERS[verifier](answer)
         except ValueError as e:
             raise ValueError(f"{where}: field '{answer_key}' (the answer of a {verifier!r} row): {e}") from None
     return {"prompt": prompt, "answer": answer, "verifier": verifier, "where": where}
+
+
+def _check_text(text: str, where: str, field: str) -> None:
+    """A text no tokenizer can encode: a lone surrogate (JSON's "\\ud800" without its pair)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: field '{field}' holds a lone surrogate ({text[e.start:e.end]!r} at character "
+                         f"{e.start}), which is not text a tokenizer can encode; fix the row at its source") from None
 
 
 def _check_ifeval_answer(answer: str) -> None:
@@ -232,30 +252,44 @@ RG_INSTRUCTION = "\n\nPut your final answer within <answer></answer> tags."  # v
 
 def rg_rows(spec: str, seed: int, size: int = 1000) -> list[dict]:
     """Rows of a Reasoning Gym dataset generated locally: spec "rg:NAME" or "rg:NAME:SIZE". The answer holds
-    what the library's scorer needs, as JSON ({"dataset", "answer", "metadata"}); the verifier is "rg"."""
-    import reasoning_gym
+    what the library's scorer needs, as JSON ({"dataset", "answer", "metadata"}) and how its scores count
+    ("full_marks", from the dataset's probe: rg_verdict); the verifier is "rg"."""
     _, name, *rest = spec.split(":")
     if len(rest) > 1 or (rest and not rest[0].isdigit()) or not name:
         raise ValueError(f"--data {spec}: expected rg:NAME or rg:NAME:SIZE (SIZE a number of rows)")
     size = int(rest[0]) if rest else size
+    full_marks = rg_verdict(name)
+    return [{"prompt": question + RG_INSTRUCTION, "answer": json.dumps({**json.loads(answer), "full_marks": full_marks}),
+             "verifier": "rg", "where": f"rg:{name}:{i}"} for i, (question, answer) in enumerate(rg_entries(name, seed, size))]
+
+
+def rg_entries(name: str, seed: int, size: int) -> list[tuple[str, str]]:
+    """(question, answer JSON) of `size` rows of Reasoning Gym's dataset `name`, drawn with `seed`."""
+    import reasoning_gym
     if name not in reasoning_gym.factory.DATASETS:
-        raise ValueError(f"--data {spec}: Reasoning Gym has no dataset {name!r}; some: "
+        raise ValueError(f"--data rg:{name}: Reasoning Gym has no dataset {name!r}; some: "
                          f"{', '.join(sorted(reasoning_gym.factory.DATASETS)[:20])}, ...")
-    rows = []
+    out = []
     for i, entry in enumerate(reasoning_gym.create_dataset(name, size=size, seed=seed)):
         try:
-            answer = json.dumps({"dataset": name, "answer": entry["answer"], "metadata": entry["metadata"]})
+            out.append((entry["question"], json.dumps({"dataset": name, "answer": entry["answer"],
+                                                       "metadata": entry["metadata"]})))
         except TypeError as e:
             raise ValueError(f"rg:{name}:{i}: the entry can't be stored as JSON for the scorer ({e})") from None
-        rows.append({"prompt": entry["question"] + RG_INSTRUCTION, "answer": answer, "verifier": "rg",
-                     "where": f"rg:{name}:{i}"})
-    # the scorer gets the entry back from JSON (tuples become lists) and runs in the sandbox under a guard that
-    # keeps the answer a literal or an expression: make sure that still scores the gold answer
-    if json.loads(rows[0]["answer"])["answer"] is not None and (why := verifiers.rg_unsupported(rows[0]["answer"])):
-        raise ValueError(f"rg:{name}: this dataset is not supported: the library's scorer, run as training runs "
-                         f"it (in the sandbox, the answer kept to a literal or an expression), does not give its "
-                         f"own answer 1.0 ({why})")
-    return rows
+    return out
+
+
+RG_PROBE_SEED = 20_250_725  # the rows a dataset's probe scores: one draw, whatever a run's seed or split
+
+
+@functools.cache
+def rg_verdict(name: str) -> bool:
+    """Whether training rewards dataset `name` with full marks only, from its probe (verifiers.rg_probe): its
+    scorer, run as training runs it (the sandbox, the answer kept to a literal or an expression), gives its own
+    answers 1.0 and no wrong answer a policy could learn full marks; a dataset that fails either is refused."""
+    full_marks, found = verifiers.rg_probe(name, rg_entries(name, RG_PROBE_SEED, verifiers.RG_PROBE_ROWS))
+    print(f"rg:{name}: {found}", file=sys.stderr, flush=True)
+    return full_marks
 
 
 def parse_mixture(spec: str) -> list[tuple[str, float]]:

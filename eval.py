@@ -211,7 +211,7 @@ def load_judge(name: str, mode: str = "second_opinion", max_tokens: int = 64, dt
     lm, tok = model_lib.load(name, dtype, device)
     return reward.Judge(engine_lib.make_engine("hf", lm.eval(), tok, seed), functools.partial(data.encode_prompt, tok),
                         functools.partial(tok.batch_decode, skip_special_tokens=True),
-                        Sampling(temperature=1.0, top_k=1), mode, max_tokens)
+                        Sampling(temperature=1.0, top_k=1), mode, max_tokens, reward.control_tokens(tok))
 
 
 def print_table(report: dict) -> None:

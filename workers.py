@@ -20,6 +20,8 @@ import types
 from collections import deque
 from multiprocessing.connection import wait as mp_wait
 
+import sandbox  # the standard library only: its leftovers are removed with a worker
+
 IN_WORKER = False  # True in a worker, where the parent enforces the timeout: verifiers check in-process there
 # Each worker's address space (RLIMIT_AS): a parse of model output such as \boxed{2^{2^{2^{2^{2^{2}}}}}} grows
 # without bound (~40-90 MB/s) until the timeout; capped, it raises MemoryError (an error, scored 0). A worker
@@ -71,7 +73,10 @@ def _serve(conn, memory_mb: int) -> None:
             return
         for i, ref, response, answer in chunk:
             try:
-                conn.send((i, float(_load(ref)(response, answer)), None))
+                score = float(_load(ref)(response, answer))
+                if not 0.0 <= score <= 1.0:  # NaN fails this too: a reward is a score in [0, 1], or an error
+                    raise ValueError(f"the verifier returned {score!r}, not a score in [0, 1]")
+                conn.send((i, score, None))
             except Exception as e:  # any model output or verifier bug scores 0; the parent counts it
                 conn.send((i, 0.0, f"{ref}: {type(e).__name__}: {e}"))
 
@@ -98,6 +103,7 @@ class _Worker:
         self.proc.kill()
         self.proc.join()  # reap it: no zombies
         self.conn.close()
+        sandbox.remove_leftovers(self.proc.pid)  # what it kept in /tmp for the sandbox (its copy of bwrap)
 
 
 POOL: list[_Worker] = []

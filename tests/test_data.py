@@ -60,10 +60,12 @@ def test_json_round_trip(tmp_path):
 def test_parquet_verl_layout_with_dotted_keys(tmp_path):
     path = str(tmp_path / "train.parquet")
     pq.write_table(verl_table(), path)
-    rows = data.load_rows(path, answer_key="reward_model.ground_truth", verifier_key="data_source")
+    rows = data.load_rows(path, answer_key="reward_model.ground_truth")
     assert [r["prompt"] for r in rows] == [[{"role": "user", "content": r["prompt"]}] for r in ROWS]
     assert [r["answer"] for r in rows] == [r["answer"] for r in ROWS]  # ints came back as strings
-    assert {r["verifier"] for r in rows} == {"dapo"}
+    assert {r["verifier"] for r in rows} == {"math"}
+    with pytest.raises(ValueError, match=r"train\.parquet:0: field 'data_source' \(the verifier\) is 'dapo'; known"):
+        data.load_rows(path, answer_key="reward_model.ground_truth", verifier_key="data_source")
     assert rows[-1]["where"] == f"{path}:5"
 
 
@@ -118,6 +120,14 @@ def test_missing_field_names_row_field_and_keys(tmp_path):
     ({"prompt": [{"role": "user"}], "answer": "1"}, "prompt"), ({"prompt": ["1+1="], "answer": "1"}, "prompt"),
     ({"prompt": "1=", "answer": [1, 2]}, "answer"), ({"prompt": "1=", "answer": "1", "verifier": 3}, "verifier"),
     ({"prompt": "1=", "answer": float("nan")}, "answer"), ({"prompt": "1=", "answer": float("inf")}, "answer"),
+    # a verifier that is not one stopped the run at its first score, naming no row
+    ({"prompt": "1=", "answer": "1", "verifier": "__class__"}, "verifier"),
+    # rg rows are generated here: a file's rg answer reached the scorer server's warm-up, which ran it unguarded
+    ({"prompt": "1=", "answer": '{"dataset": "n_queens", "answer": "1", "metadata": {}}', "verifier": "rg"},
+     "verifier"),
+    # a lone surrogate loaded, then crashed the first draw's tokenizer with a traceback
+    ({"prompt": "1+\ud800=", "answer": "1"}, "prompt"), ({"prompt": "1=", "answer": "\udfff"}, "answer"),
+    ({"prompt": [{"role": "user", "content": "\ud800"}], "answer": "1"}, "prompt\\[0\\].content"),
 ])
 def test_bad_values_name_row_and_field(tmp_path, bad, field):
     path = write_jsonl(tmp_path / "b.jsonl", ROWS[:2] + [bad])

@@ -21,6 +21,7 @@ import pytest
 from conftest import run
 import reward
 import sandbox
+import verifiers
 from sandbox import code_reward, extract_code, run_program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,11 +181,11 @@ def test_program_dies_with_a_reward_worker_killed_for_its_timeout():
     assert scores == [0.0] and metrics["reward/timeouts"] == 1 and time.monotonic() - start < 5.0
     time.sleep(0.5)
     assert sandboxed_pids() == []
-    left = [path for path in glob.glob(os.path.join(tempfile.gettempdir(), "ulorl_sandbox_*_*"))
+    # the killed worker could not remove its folders (the program's, its copy of bwrap): the pool did
+    left = [path for pattern in ("ulorl_sandbox_*_*", "ulorl_bwrap_*_*")
+            for path in glob.glob(os.path.join(tempfile.gettempdir(), pattern))
             if not os.path.exists(f"/proc/{os.path.basename(path).split('_')[2]}")]
-    assert left  # the killed worker could not remove its directory ...
-    run_program("print(1)")
-    assert not any(os.path.exists(path) for path in left)  # ... the next run sweeps it away
+    assert left == []
 
 
 def test_only_a_private_size_limited_tmp_is_writable_and_nothing_outlives_the_check():
@@ -356,6 +357,35 @@ def test_no_host_path_is_visible_inside():
     assert (r.status, r.stdout) == ("ok", "False False\n"), r
 
 
+def test_only_local_and_ip_sockets_open():
+    """The program opened AF_VSOCK sockets: on a VM-hosted GPU machine, a channel to the host that the network
+    namespace does not cover. Every family but AF_UNIX, AF_INET and AF_INET6 is refused by the filter now."""
+    code = ("import socket\n"
+            "for name, family, kind in (('vsock', 40, 1), ('netlink', 16, 3), ('unix', 1, 1), ('inet', 2, 1)):\n"
+            "    try:\n"
+            "        socket.socket(family, kind).close()\n"
+            "        print(name, 'opened')\n"
+            "    except OSError as e:\n"
+            "        print(name, e.errno)\n")
+    r = run_program(code)
+    assert (r.status, r.stdout.split("\n")) == ("ok", ["vsock 97", "netlink 97", "unix opened", "inet opened", ""]), r
+
+
+def test_the_tmp_holds_a_bounded_number_of_files():
+    """Empty files cost no bytes of /tmp's size but kernel memory no limit counted: 126,000 in one check took
+    156 MB. /tmp now holds sandbox.TMP_INODES files and folders."""
+    code = ("n = 0\n"
+            "try:\n"
+            "    while True:\n"
+            "        open(f'/tmp/{n}', 'w').close()\n"
+            "        n += 1\n"
+            "except OSError as e:\n"
+            "    print(n, e.errno)\n")
+    r = run_program(code, timeout=10.0)
+    made, code = map(int, r.stdout.split())
+    assert r.status == "ok" and made < sandbox.TMP_INODES and code == 28, r  # ENOSPC
+
+
 def test_a_nested_user_namespace_cannot_escape_the_limits():
     """unshare(NEWUSER | NEWNS) and a tmpfs of its own would write memory past /tmp's size and RLIMIT_AS."""
     code = ("import ctypes, os\n"
@@ -450,3 +480,31 @@ def test_reasoning_gym_scores_from_a_virtual_environment(tmp_path):
     p = run([python, "-c", code], timeout=300, warm=False, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split() == [str(venv), "1.0"], p.stdout
+
+
+# ------------------------------------------------------------------------ answers read as code (Reasoning Gym)
+
+SYMPY = frozenset(verifiers.SYMPY_NAMES)
+
+
+@pytest.mark.parametrize("source", [
+    "Integer (2 )*Symbol ('x' )**Integer (2 )+Integer (3 )",  # what sympy's parse_expr makes of 2*x**2+3
+    "sqrt (Integer (2 ))/Integer (2 )+pi *I", "[1, 2, (3, -4.5)]", "{'a': [1.5e3, None]}", b"1+1",
+    "from sympy import *",
+])
+def test_arithmetic_and_literals_pass_the_guard(source):
+    assert sandbox.refusal(source, SYMPY | {"I"}) is None
+
+
+@pytest.mark.parametrize("source, why", [
+    # the answer of the keyword attack, as parse_expr hands it to eval: Function's keywords become methods
+    ("Function ('f',__eq__ =lambda S ,N :True ,__hash__ =lambda S :True )", "keyword arguments"),
+    ("Function ('F')(Integer (1 ))", "calls a Call"), ("Function ('F')", "names 'Function'"),
+    ("Integer (8 )*Integer (0_0 )+Integer (1_64 )", "underscore"),  # countdown's number check read no 1_64
+    ("oracle_answer .split ()", "calls a Attribute"), ("x.diff(x)", "calls a Attribute"),
+    ("sqrt(*[4])", "Starred"), ("{**x}", "unpacks"), ("lambda: 1", "Lambda"), ("[i for i in x]", "ListComp"),
+    ("(1).__class__", "Attribute"), ("x[0]", "Subscript"), ("1 if x else 2", "IfExp"), ("x == x", "Compare"),
+    ("import os", "not one expression"), ("__import__('os')", "names '__import__'"),
+])
+def test_code_in_an_answer_is_refused_by_its_structure(source, why):
+    assert why in (sandbox.refusal(source, SYMPY) or "")
