@@ -254,9 +254,10 @@ MANIFEST_BYTES = 64 << 20  # a manifest lists a few dozen files: more than this 
 def problem(path: str) -> str | None:
     """Why a checkpoint cannot be trusted, or None. Trusted: a manifest that lists every file of the checkpoint
     (ulorl_state.json among them) with its size and sha256, and every file matching them: a regular file of one
-    link, whole (no holes: a run writes every byte), its size as listed, then its digest. Sizes are checked before
-    any file is read, so a file listed at 16 TiB is refused at once, not hashed for hours. A file the manifest does
-    not list (a routing.pt put there) is a reason too, since resume would load it."""
+    link, whole (no holes, and no larger than its file system: a run writes every byte), its size as listed,
+    then its digest. Sizes are checked before any file is read, so a file listed at 16 TiB is refused at once,
+    not hashed for hours. A file the manifest does not list (a routing.pt put there) is a reason too, since
+    resume would load it."""
     try:
         with Folder.at(os.path.dirname(path) or ".") as parent, parent.sub(os.path.basename(path)) as folder:
             return _problem(folder)
@@ -287,7 +288,9 @@ def _problem(folder: Folder) -> str | None:
             st = os.fstat(f.fileno())
             if st.st_size != want["size"]:
                 return f"{name} has {st.st_size} bytes, the manifest says {want['size']}"
-            if st.st_size and os.lseek(f.fileno(), 0, os.SEEK_HOLE) < st.st_size:
+            disk = os.fstatvfs(f.fileno())
+            if st.st_size > disk.f_blocks * disk.f_frsize or \
+                    (st.st_size and os.lseek(f.fileno(), 0, os.SEEK_HOLE) < st.st_size):
                 return f"{name} has holes (a sparse file): a run writes every byte of a checkpoint"
         for name, want in listing.items():
             if file_digest(opened[name]) != want["sha256"]:

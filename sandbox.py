@@ -219,8 +219,9 @@ def _command(s: Setup, binds: list[str], fds: dict[str, int], command: list[str]
     files = [arg for dest, fd in fds.items() if dest != "seccomp"
              for arg in ("--perms", "0444", "--file", str(fd), dest)]
     return [s.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1",
-            "--uid", str(NOBODY), "--gid", str(NOBODY), "--cap-drop", "ALL", *binds,
-            "--proc", "/proc", "--dev", "/dev", "--bind", tmp, "/tmp", *files, "--chdir", "/tmp",
+            "--uid", str(NOBODY), "--gid", str(NOBODY), "--cap-drop", "ALL",
+            "--bind", tmp, "/tmp", *binds,  # /tmp first: a bind below it (a venv in a clone under /tmp) stays seen
+            "--proc", "/proc", "--dev", "/dev", *files, "--chdir", "/tmp",
             "--remount-ro", "/dev", "--remount-ro", "/", "--seccomp", str(fds["seccomp"]),
             "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
             "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
@@ -417,10 +418,15 @@ def _names(code) -> set[str]:
 
 
 def _from_a_file(filename) -> bool:
-    """Code of a module read from the read-only system (an import): an answer can name no file, and /tmp, the
-    one writable place, is not one of these."""
-    return isinstance(filename, str) and (filename.startswith("<frozen ") or (
-        os.path.isabs(filename) and not filename.startswith("/tmp/") and os.path.isfile(filename)))
+    """Code of a module read from a file of the read-only system (an import): an answer can name no file, and
+    the one writable place, /tmp, is no such file system (a venv bound below it is)."""
+    if not isinstance(filename, str):
+        return False
+    try:
+        return filename.startswith("<frozen ") or (os.path.isabs(filename) and os.path.isfile(filename) and
+                                                   bool(os.statvfs(filename).f_flag & os.ST_RDONLY))
+    except OSError:
+        return False
 
 
 _GUARD = {"names": None, "busy": False}  # the names a check's code may use; None: no check is running

@@ -463,23 +463,36 @@ def test_a_run_with_code_rows_starts(tmp_path):
 def test_reasoning_gym_scores_from_a_virtual_environment(tmp_path):
     """A venv made as the README says (`python3 -m venv`) holds packages its base interpreter does not see: the
     scorer server ran the base interpreter (the venv's python resolved to its target), without them, so every
-    check scored 0 and `--data rg:NAME` was refused. The venv here reaches this environment's packages through a
-    .pth file instead of installing them again."""
+    check scored 0 and `--data rg:NAME` was refused. The venv here (under the temporary folder, as a clone made by
+    `mktemp -d` would be, which the sandbox's own /tmp hid) holds a scorer module of its own that imports another
+    on first use (under the guard, which took modules below /tmp for an answer's code), and reaches this
+    environment's packages through a .pth file instead of installing them again."""
     venv = tmp_path / "venv"
     made = run([sys.executable, "-m", "venv", str(venv)], timeout=120, warm=False)
     assert made.returncode == 0, made.stderr[-2000:]
     python = str(venv / "bin" / "python")
     site = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], timeout=60, warm=False)
+    site = site.stdout.strip()
     ours = [p for p in sys.path if p.endswith("-packages") and os.path.isdir(p)]
-    with open(os.path.join(site.stdout.strip(), "ulorl_test.pth"), "w") as f:
+    with open(os.path.join(site, "ulorl_test.pth"), "w") as f:
         f.write("\n".join(ours) + "\n")
-    code = ("import json, sys\nimport data, verifiers\n"
+    with open(os.path.join(site, "ulorl_venv_scorer.py"), "w") as f:  # in the venv only, importing on first use
+        f.write("def make(key):\n"
+                "    def score(answer, entry):\n"
+                "        import ulorl_venv_compare\n"
+                "        return ulorl_venv_compare.same(answer, key)\n"
+                "    return score\n")
+    with open(os.path.join(site, "ulorl_venv_compare.py"), "w") as f:
+        f.write("def same(a, b):\n    return float(a == b)\n")
+    code = ("import json, sys\nimport data, sandbox, verifiers\n"
+            "server = sandbox.Server('ulorl_venv_scorer:make')\n"
+            "print(server.call('ok', ['ok', {}], ['ok', {}], set()), server.call('ok', ['no', {}], ['ok', {}], set()))\n"
             "row = data.rg_rows('rg:countdown:4', 0)[0]\n"
             "gold = json.loads(row['answer'])['answer']\n"
             "print(sys.prefix, verifiers.rg_reward(f'<answer>{gold}</answer>', row['answer']))")
     p = run([python, "-c", code], timeout=300, warm=False, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.split() == [str(venv), "1.0"], p.stdout
+    assert p.stdout.split() == ["1.0", "0.0", str(venv), "1.0"], p.stdout
 
 
 # ------------------------------------------------------------------------ answers read as code (Reasoning Gym)
