@@ -207,7 +207,8 @@ def start(cfg: Config) -> tuple:
     if cfg.plan:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if int(os.environ.get("RANK", "0")) == 0:
-            print(plan_lib.report(memory_plan(cfg, world, model_config), cfg, world), flush=True)
+            disk = plan_lib.disk_line(plan_lib.checkpoint_bytes(plan_lib.Shape.of(model_config), cfg, world), cfg)
+            print(plan_lib.report(memory_plan(cfg, world, model_config), cfg, world, disk), flush=True)
         return 0, world, False, 0, None, 0.0
     rank, world = setup_distributed(cfg)
     threads = set_threads(cfg.threads, local_ranks)
@@ -218,8 +219,28 @@ def start(cfg: Config) -> tuple:
         print(placement_line(cfg, world, local_ranks, engine_mem), flush=True)
     if why := plan_lib.problems(plan, cfg, capacity, colocated=not cfg.rollout_gpus):
         raise ValueError("the run cannot fit (python train.py ... --plan shows the items):\n  " + "\n  ".join(why))
+    if rank == 0:
+        check_disk(cfg, plan_lib.checkpoint_bytes(plan_lib.Shape.of(model_config), cfg, world))
     os.umask(0o077)  # what the run writes is its own: checkpoints and samples hold the data's answers
     return rank, world, rank == 0, threads, plan, engine_mem
+
+
+def check_disk(cfg: Config, sizes: dict) -> None:
+    """A run writes a checkpoint at its end at least: --out with less free space than one refuses it before
+    anything loads (a disk that fills at step 40 would end it there); less than --keep-last needs is a warning."""
+    one, where = sum(sizes.values()), os.path.abspath(cfg.out)
+    while not os.path.exists(where):  # --out may not exist yet: the file system it will be made on
+        where = os.path.dirname(where)
+    disk = os.statvfs(where)
+    free = disk.f_bavail * disk.f_frsize
+    if free < one:
+        raise ValueError(f"--out {cfg.out}: {free / 2**20:.1f} MiB free, and one checkpoint of this run needs "
+                         f"~{one / 2**20:.1f} MiB ({', '.join(f'{k} {v / 2**20:.1f}' for k, v in sizes.items())}); "
+                         f"free space there, or choose another --out")
+    if cfg.keep_last > 0 and free < (cfg.keep_last + 1) * one:
+        print(f"warning: --out {cfg.out} has {free / 2**30:.2f} GiB free; --keep-last {cfg.keep_last} needs "
+              f"~{(cfg.keep_last + 1) * one / 2**30:.2f} GiB (checkpoints of ~{one / 2**30:.2f} GiB): a later save "
+              f"may not fit", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------- loading

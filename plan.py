@@ -57,6 +57,7 @@ BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # policy version (8), ~80 bytes with the lists' slack (tracemalloc, 200k tokens); pickled for the step's
 # broadcast, ~15 (tests/test_plan.py measures both)
 HOST_BYTES_PER_TOKEN, PICKLED_BYTES_PER_TOKEN = 80, 15
+JSON_BYTES_PER_TOKEN = 40  # a pooled sample's token in a checkpoint's ulorl_state.json: id, log-prob, version
 GIB = 2**30
 
 
@@ -192,6 +193,45 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
     if offload:
         host["offloaded optimizer state"] = sum(state.values()) + (P * b // shards if cfg.kl_coef > 0 else 0)
     return Plan(trainer, engine, host)
+
+
+def checkpoint_bytes(shape: Shape, cfg, world: int) -> dict:
+    """What one checkpoint holds, item by item, at most: the weights in the run's dtype (and the reference's, with
+    a KL), every rank's optimizer state (AdamW's two fp32 moments, and a bf16 run's fp32 master weights, sharded
+    under FSDP, whole on every rank otherwise), and the samples in flight at full length (ulorl_state.json;
+    routing.pt with --routing-replay). The headline's (Qwen3-30B-A3B, 6 ranks, bf16): ~430 GB."""
+    P, c = shape.params(), BYTES[cfg.dtype]
+    copies = world if cfg.parallel == "ddp" and world > 1 else 1
+    full, slots = cfg.max_prompt_len + cfg.max_response_len, cfg.prompts_per_step * cfg.group_size
+    routed = shape.layers * shape.experts_per_token if cfg.routing_replay != "false" and shape.experts else 0
+    return {"weights": P * c * (2 if cfg.kl_coef > 0 else 1),
+            "optimizer states": (2 + (cfg.dtype != "float32")) * P * 4 * copies + STATE_EXTRA * max(world, 1),
+            "pools": slots * full * (JSON_BYTES_PER_TOKEN + routed),
+            "tokenizer and configs": side_files(cfg.model) * (2 if cfg.kl_coef > 0 else 1)}
+
+
+STATE_EXTRA = 64 << 10  # a rank's scheduler, RNG streams and torch.save's framing beside its tensors
+SIDE_FILES = 16 << 20  # a hub model's tokenizer and configs, not counted locally (Qwen3's tokenizer.json: 11 MB)
+
+
+def side_files(model: str) -> int:
+    """The bytes a checkpoint holds beside the weights for the tokenizer and configs: those of a local model's
+    folder, else SIDE_FILES."""
+    if not os.path.isdir(model):
+        return SIDE_FILES
+    weights = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+    return sum(e.stat().st_size for e in os.scandir(model) if e.is_file() and not e.name.endswith(weights))
+
+
+def disk_line(sizes: dict, cfg) -> str:
+    """What `--plan` says of the checkpoints: one's size, and what --keep-last keeps in --out (the next one is
+    written beside them before the oldest goes)."""
+    one = sum(sizes.values())
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sizes.items())
+    keep = (f"--keep-last {cfg.keep_last} needs ~{(cfg.keep_last + 1) * one / GIB:.1f} GiB in --out "
+            f"({cfg.keep_last} kept and the next written beside them)" if cfg.keep_last > 0 else
+            f"--keep-last 0 keeps every one: ~{one / GIB:.1f} GiB more each save")
+    return f"checkpoint: ~{one / GIB:.1f} GiB each ({parts}); {keep}"
 
 
 def activation_bytes(shape: Shape, cfg, T: int, c: int) -> int:
@@ -331,8 +371,9 @@ def choose(make, cfg, capacity: int | None, sp_sizes: list[int], offload_ok: boo
     return candidates[-1]
 
 
-def report(plan: Plan, cfg, world: int) -> str:
-    """What `train.py --plan` prints: the plan's table, host memory per node, and whether it fits the device."""
+def report(plan: Plan, cfg, world: int, disk: str = "") -> str:
+    """What `train.py --plan` prints: the plan's table, host memory per node, whether it fits the device, and
+    `disk` (disk_line)."""
     capacity = device_bytes(cfg.device, cfg.device_memory)
     why = problems(plan, cfg, capacity, colocated=not cfg.rollout_gpus)  # no --rollout-gpus: vLLM shares the GPU
     local = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
@@ -350,7 +391,7 @@ def report(plan: Plan, cfg, world: int) -> str:
         lines.append(f"vLLM gets gpu_memory_utilization {fraction:.2f} and holds "
                      f"~{engine_concurrency(plan, capacity, fraction)} samples at full context at once per "
                      f"engine GPU; the rest of the batch queues")
-    return "\n".join(lines)
+    return "\n".join(lines + ([disk] if disk else []))
 
 
 def engine_concurrency(plan: Plan, capacity: int, mem_fraction: float = ENGINE_SHARE) -> int:

@@ -69,6 +69,7 @@ def test_a_run_that_cannot_fit_stops_before_loading(tmp_path):
     shown, stopped = together(lambda: train("plan", "--plan"), lambda: train("out"))  # independent: together
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "AdamW moments" in shown.stdout and "activations" in shown.stdout
+    assert "checkpoint: ~" in shown.stdout and "--keep-last 3 needs" in shown.stdout
     weights_gib = float(next(line.split()[-2] for line in shown.stdout.splitlines() if line.strip().startswith("weights")))
     P = plan_lib.Shape.of(Qwen3Config.from_pretrained(d)).params()
     assert abs(weights_gib - P * 4 / 2**30) < 0.01  # fp32 on CPU
@@ -92,6 +93,26 @@ def test_plan_items_follow_the_flags(tmp_path):
     assert flash.trainer["attention scores"] == 0 < one.trainer["attention scores"]
     cfg = config.parse_config(base)
     assert plan_lib.make_plan(shape, cfg, 1, 4, True).engine["weights"] == shape.params() * 4 // 4
+
+
+def test_a_checkpoints_size_and_what_keep_last_needs_are_known_before_the_run():
+    """The headline's checkpoints are ~430 GB (61 GB of bf16 weights; six ranks' fp32 masters and AdamW moments,
+    sharded), and --keep-last 3 needs four of them: nothing said so before a disk filled at step 40. Counted from
+    the parameters by hand; the tiny checkpoint's own size: test_run_files."""
+    import config
+    from transformers import AutoConfig
+    shape = plan_lib.Shape.of(AutoConfig.from_pretrained(os.path.join(ROOT, "tests", "configs", "Qwen3-30B-A3B")))
+    cfg = config.parse_config(["--preset", "ulorl", "--model", "x", "--data", "x.jsonl", "--plan"])
+    sizes = plan_lib.checkpoint_bytes(shape, cfg, 6)
+    P = shape.params()
+    extra = 6 * plan_lib.STATE_EXTRA  # each rank's scheduler and RNG streams
+    assert sizes["weights"] == 2 * P and sizes["optimizer states"] == 3 * 4 * P + extra  # bf16: masters, 2 moments
+    assert 425e9 < sum(sizes.values()) < 440e9, sum(sizes.values()) / 1e9
+    assert f"--keep-last 3 needs ~{4 * sum(sizes.values()) / 2**30:.1f} GiB" in plan_lib.disk_line(sizes, cfg)
+    ddp = config.parse_config(["--preset", "ulorl", "--model", "x", "--data", "x.jsonl", "--plan", "--parallel", "ddp",
+                               "--kl-coef", "0.01"])
+    sizes = plan_lib.checkpoint_bytes(shape, ddp, 6)  # every rank saves the whole optimizer state; a reference
+    assert sizes["weights"] == 2 * 2 * P and sizes["optimizer states"] == 6 * 3 * 4 * P + extra
 
 
 @pytest.mark.slow

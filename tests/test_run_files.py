@@ -7,6 +7,7 @@ with a raw traceback, before.
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -154,36 +155,50 @@ def test_a_second_run_on_the_same_out_is_refused(tmp_path):
     outdir.lock_out(str(out)).close()  # the kernel released the dead run's lock
 
 
-def in_a_small_mount(tmp_path, options: str, *args):
-    """train.py with --out on a tmpfs of its own (`options`: its size, or ro), unmounted after."""
+def in_a_small_mount(tmp_path, options: str, *args, keep=None):
+    """train.py with --out on a tmpfs of its own (`options`: its size, or ro), unmounted after; with `keep`, also
+    what keep(mount point) returns before it goes."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
     mnt = tmp_path / "mnt"
     os.makedirs(mnt)
     subprocess.run(["mount", "-t", "tmpfs", "-o", options, "ulorl-test", str(mnt)], check=True)
     try:
-        return run([sys.executable, "train.py", *RUN, *args, "--out", str(mnt / "run")], timeout=300, env=ENV)
+        p = run([sys.executable, "train.py", *RUN, *args, "--out", str(mnt / "run")], timeout=300, env=ENV)
+        return (p, keep(mnt)) if keep else p
     finally:
         subprocess.run(["umount", "--lazy", str(mnt)], check=True)
 
 
 @pytest.mark.slow
-def test_a_full_disk_says_what_failed_and_what_is_safe(tmp_path):
-    # 2 MiB holds the logs but not a checkpoint of the tiny model (3 MB of weights, twice that of AdamW)
+def test_an_out_without_room_for_one_checkpoint_is_refused_before_the_run(tmp_path):
+    # 2 MiB holds the logs but not a checkpoint of the tiny model (3 MB of weights, twice that of AdamW): the run
+    # trained, then stopped at its save; now it is refused before anything loads, with the numbers
     p = in_a_small_mount(tmp_path, "size=2m", "--steps", "1")
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
-    assert "error: could not write checkpoint" in p.stderr and "No space left on device" in p.stderr
-    assert "no checkpoint of this run was complete yet" in p.stderr
+    assert re.search(r"2\.0 MiB free, and one checkpoint of this run needs ~9\.\d MiB \(weights 3\.0, "
+                     r"optimizer states 6\.\d", p.stderr), p.stderr
+    assert "Loading weights" not in p.stderr
 
 
 @pytest.mark.slow
-def test_a_full_disk_in_the_optimizer_state_says_the_same(tmp_path):
-    # 5 MiB holds the weights (3.2 MB) but not the optimizer state (6.4 MB): torch.save's writer, which wrapped
-    # the refused write in a RuntimeError traceback
-    p = in_a_small_mount(tmp_path, "size=5m", "--steps", "1")
+def test_a_disk_that_fills_says_what_failed_and_what_is_safe(tmp_path):
+    """16 MiB holds one checkpoint (9.6 MB) and a warning at the start (--keep-last 1 needs two), not the second
+    beside it: that save fails in the optimizer state (torch.save's writer wrapped the refused write in a
+    RuntimeError traceback), and the first resumes. The checkpoint's size as the plan counts it: at most 6% over."""
+    p = in_a_small_mount(tmp_path, "size=16m", "--steps", "2", "--save-every", "1", "--keep-last", "1",
+                         keep=lambda mnt: sum(f.stat().st_size for f in (mnt / "run" / "step_000001").iterdir()))
+    p, written = p
+    assert "warning: --out" in p.stderr and "--keep-last 1 needs" in p.stderr
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "error: could not write checkpoint" in p.stderr and "No space left on device" in p.stderr
-    assert "trainer_state_rank0.pt" in p.stderr
+    assert "trainer_state_rank0.pt" in p.stderr and "the newest, step_000001, resumes with --resume auto" in p.stderr
+    import config
+    import plan as plan_lib
+    from transformers import AutoConfig
+    shape = plan_lib.Shape.of(AutoConfig.from_pretrained(os.path.join(ROOT, "tiny_ckpt")))
+    sizes = plan_lib.checkpoint_bytes(shape, config.parse_config([*RUN, "--steps", "2"]), 1)
+    assert written < sum(sizes.values()) < 1.06 * written, (written, sizes)
 
 
 @pytest.mark.slow
