@@ -22,6 +22,8 @@ import json
 import os
 import shlex
 import sys
+import time
+import uuid
 
 import pytest
 
@@ -474,6 +476,56 @@ def test_kernel_comparison_on_cpu():
     assert len(check.disagreements(nan, "nan")) == 1
 
 
+def test_the_fp32_reference_needs_no_kernel_cuda_lacks(monkeypatch):
+    """torch 2.11 on CUDA has no fused sdpa kernel for fp32 with grouped query heads (flash takes no fp32, the
+    others no enable_gqa): the kernel check's fp32 reference stopped with "No available kernel", and the check
+    with it, before its 131072-token run. The CPU's flash kernel takes both, so sdpa here refuses what CUDA's
+    refuse while the GPU's backends are the only ones allowed; the reference runs under them, as on a GPU."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    gpu = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def as_cuda(q, k, v, *args, enable_gqa=False, **kw):
+        if enable_gqa and q.dtype == torch.float32 and not torch.backends.cuda.math_sdp_enabled():
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return real(q, k, v, *args, enable_gqa=enable_gqa, **kw)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", as_cuda)
+    row = check.packed_row((5, 17, 42, 1), "cpu", torch.float32)
+    with sdpa_kernel(gpu):  # what attend() allows on a GPU
+        reference = check.attend(row, "per_sequence")
+    got = check.attend(row, "sdpa")
+    assert not check.disagreements(check.agreement(got, reference), "fp32"), check.agreement(got, reference)
+
+
+@pytest.mark.slow
+def test_a_check_cut_at_its_time_limit_leaves_no_process(tmp_path):
+    """A check cut at its limit was killed by its process group: torchrun starts each worker in a session of its
+    own, so a cut check's rank ran on (on the GPU, holding its memory through the checks after it)."""
+    marker = f"ulorl-cut-{uuid.uuid4().hex}"
+    script = tmp_path / "sleeps.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(script), marker]
+    start = time.monotonic()
+    rec = h200.run_json(cmd, {}, 15, str(tmp_path / "logs" / "cut"))
+    assert rec["rc"] is None and "timed out after 15 s" in rec["error"] and time.monotonic() - start < 40
+    assert "started" in (tmp_path / "logs" / "cut.stdout").read_text()  # the worker ran, then was cut
+
+    def running() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if marker.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                    found.append(int(pid))
+            except OSError:
+                pass
+        return found
+    deadline = time.monotonic() + 10
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running() == [], "torchrun's worker outlived the check"
+
+
 @pytest.mark.slow
 def test_kernel_check_without_a_gpu():
     """--kernel on a machine without a GPU prints its record, not ok, and exits 1 (as the whole check does)."""
@@ -624,6 +676,27 @@ def test_h200_dry_run():
     assert budget["tree_bytes"] == tracked_bytes()
     assert budget["total_bytes"] == budget["tree_bytes"] + budget["wheel_bytes"] <= budget["limit_bytes"] == 64 * 2**20
     assert budget["fits_size"] and budget["carry"] == ".whl"
+    assert h200.unignored_files() == set(tracked_files())  # what a source archive would count: the same
+
+
+def tracked_files() -> list[str]:
+    out = run(["bash", "-c", "{ git ls-files; git ls-files --others --exclude-standard; } | sort -u"], timeout=60)
+    return [f for f in out.stdout.split("\n") if f and os.path.isfile(os.path.join(ROOT, f))]
+
+
+@pytest.mark.slow
+def test_the_dry_run_works_outside_a_git_checkout(tmp_path):
+    """The dry run counted bytes with `git ls-files`, which fails in a copy of the project that is no checkout
+    (a source archive): the fast tier failed there. The working tree's files copied, as an archive holds them."""
+    import shutil
+    copy = tmp_path / "ulorl"
+    for name in tracked_files():
+        os.makedirs(copy / os.path.dirname(name), exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, name), copy / name)
+    proc = run([sys.executable, "tests/gpu/h200.py", "--dry-run", "--work", "/w"], timeout=120, cwd=copy, warm=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [budget] = [r for r in map(json.loads, proc.stdout.strip().splitlines()) if r.get("budget")]
+    assert 0 < budget["tree_bytes"] <= budget["limit_bytes"]
 
 
 def test_h200_wheels(tmp_path, monkeypatch):
@@ -716,9 +789,18 @@ def test_h200_on_cpu(tmp_path):
     offloaded, one update, HFSource's tensors where the sender wants them, in the checkpoint's names); their
     lines and the summary, exit 0. (The other checks' CPU runs take minutes: docs/gpu.md gives the command.)"""
     proc = run([sys.executable, "tests/gpu/h200.py", "--device", "cpu", "--only", "qwen3_30b_layers,fsdp_offload",
-                "--work", str(tmp_path)], timeout=300)
+                "--work", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
+    # --out-dir: what a device call brings back (at most 8 files of 16 MiB): the same lines, the summary, the logs
+    out = tmp_path / "out"
+    assert sorted(os.listdir(out)) == ["logs.tar.gz", "results.jsonl", "summary.json"]
+    assert [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()] == lines
+    assert json.loads((out / "summary.json").read_text()) == lines[-1]
+    import tarfile
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert {"logs/fsdp_offload.stderr", "logs/qwen3_30b_layers.stdout"} <= set(tar.getnames())
+    assert all(f.stat().st_size < 16 << 20 for f in out.iterdir())
     assert [r["check"] for r in lines] == ["setup", "fsdp_offload", "qwen3_30b_layers", "h200"]
     _, fsdp, layers, summary = lines
     assert fsdp["status"] == "ok" and fsdp["optimizer_steps"] == 1 and fsdp["weights_moved"] >= check.LR / 2

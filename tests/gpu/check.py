@@ -463,11 +463,12 @@ def execute(runs: list[Run], timeout: float) -> list[dict]:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL `proc`'s process group: torchrun's ranks, vLLM's engine processes, reward workers."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGKILL `proc`, its process group and every process below it: vLLM's engine processes, reward workers, and
+    torchrun's ranks, which it starts in sessions of their own (a group kill left a cut check's rank on the GPU)."""
+    if os.path.join(ROOT, "tests") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import warm  # tests/warm.py, the standard library only: its kill() walks /proc
+    warm.kill(proc.pid)
 
 
 def gap_stop() -> tuple[str, float]:
@@ -667,6 +668,13 @@ def packed_row(lengths, device: str, dtype, seed: int = 0) -> dict:
                 lengths=list(lengths))
 
 
+def reference_backends():
+    """The sdpa kernels the reference may use on a GPU: the fused ones, never the math backend, which would hold
+    [heads, L, L] scores."""
+    from torch.nn.attention import SDPBackend
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+
+
 def attend(row: dict, kernel: str) -> dict:
     """Forward and backward of one kernel over `row`: the output, the gradients of q, k and v, the peak memory
     above what was allocated before it (MiB; None on the CPU) and the seconds. kernel: "varlen" or "sdpa"
@@ -674,7 +682,7 @@ def attend(row: dict, kernel: str) -> dict:
     mask (on a GPU never the math backend, which would hold [heads, L, L] scores)."""
     import contextlib
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     import seqpar
@@ -689,10 +697,14 @@ def attend(row: dict, kernel: str) -> dict:
     t0 = time.time()
     if kernel == "per_sequence":
         bounds = row["cu"].tolist()
-        fused = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
-        with fused if cuda else contextlib.nullcontext():
+        # key and value heads repeated for each query head's group, not enable_gqa: of the fused kernels only
+        # flash attention takes grouped heads, and it takes no fp32 (torch 2.11 on CUDA: "No available kernel"
+        # for the fp32 reference, which also ended the check before its 131072-token run)
+        group = q.shape[1] // k.shape[1]
+        keys, values = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        with sdpa_kernel(reference_backends()) if cuda else contextlib.nullcontext():
             out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-                q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=scale, enable_gqa=True)
+                q[:, :, a:b], keys[:, :, a:b], values[:, :, a:b], is_causal=True, scale=scale)
                 for a, b in zip(bounds, bounds[1:])], 2)
     else:
         out = seqpar._attend(q, k, v, row["cu"], row["longest"], scale, kernel)

@@ -110,6 +110,16 @@ class Ctx:
     device: str  # "cuda" or "cpu"
     work: str  # models, data, runs, logs
     python: str = sys.executable
+    out_dir: str = ""  # --out-dir: the JSON lines, the summary and the logs' archive, as the check goes
+
+    def emit(self, rec: dict) -> None:
+        """One JSON line: printed, and with --out-dir appended to results.jsonl at once (a run cut short still
+        leaves every line it printed), the logs' archive renewed beside it."""
+        print(json.dumps(rec), flush=True)
+        if self.out_dir:
+            with open(os.path.join(self.out_dir, "results.jsonl"), "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            archive_logs(self.work, os.path.join(self.out_dir, "logs.tar.gz"))
 
     @property
     def size(self) -> dict:
@@ -590,12 +600,38 @@ PARTS = {"qwen3_30b_layers": part_layers, "fsdp_offload": part_fsdp}
 
 def tree_bytes() -> int:
     """Bytes of what the device machine gets of the project: git's tracked files and the untracked ones it does
-    not ignore."""
+    not ignore; outside a git checkout (a source archive), every file but what .gitignore names (ignored)."""
     names = set()
-    for args in (["ls-files", "-z"], ["ls-files", "-z", "--others", "--exclude-standard"]):
-        names.update(n for n in subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                                               check=True).stdout.split("\0") if n)
+    try:
+        for args in (["ls-files", "-z"], ["ls-files", "-z", "--others", "--exclude-standard"]):
+            names.update(n for n in subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                                   check=True).stdout.split("\0") if n)
+    except (OSError, subprocess.CalledProcessError):
+        names = unignored_files()
     return sum(os.path.getsize(os.path.join(ROOT, n)) for n in names if os.path.isfile(os.path.join(ROOT, n)))
+
+
+def unignored_files() -> set[str]:
+    """The project's files that .gitignore's patterns (this project's: names, globs, folders, rooted with /) do
+    not name, relative to ROOT."""
+    import fnmatch
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        patterns = [p.strip() for p in f if p.strip() and not p.startswith("#")]
+
+    def ignored(rel: str) -> bool:
+        for pattern in patterns:
+            bare = pattern.strip("/")
+            if pattern.startswith("/") and fnmatch.fnmatch(rel, bare):
+                return True
+            if not pattern.startswith("/") and fnmatch.fnmatch(os.path.basename(rel), bare):
+                return True
+        return False
+    out = set()
+    for d, dirs, files in os.walk(ROOT):
+        rel_dir = os.path.relpath(d, ROOT)
+        dirs[:] = [x for x in dirs if x != ".git" and not ignored(os.path.normpath(os.path.join(rel_dir, x)))]
+        out.update(rel for name in files if not ignored(rel := os.path.normpath(os.path.join(rel_dir, name))))
+    return out
 
 
 def budget(selected: list[Check]) -> dict:
@@ -667,6 +703,33 @@ def set_up(ctx: Ctx, selected: list[Check]) -> None:
         tok.save_pretrained(segments_model(ctx))
 
 
+LOG_TAIL = 1 << 20  # the last bytes of each log the archive keeps
+ARCHIVE_LIMIT = 15 << 20  # a device call brings back at most 8 files of 16 MiB each from its folder
+
+
+def archive_logs(work: str, path: str) -> None:
+    """The tail of every log under `work`/logs, gzipped into `path`, kept under ARCHIVE_LIMIT (tails halved until
+    it fits)."""
+    import io
+    import tarfile
+    logs = os.path.join(work, "logs")
+    names = sorted(os.path.join(d, f) for d, _, files in os.walk(logs) for f in files) if os.path.isdir(logs) else []
+    tail = LOG_TAIL
+    while True:
+        with tarfile.open(path + ".tmp", "w:gz") as tar:
+            for name in names:
+                with open(name, "rb") as f:
+                    f.seek(max(0, os.path.getsize(name) - tail))
+                    data = f.read()
+                info = tarfile.TarInfo(os.path.relpath(name, work))
+                info.size, info.mtime = len(data), int(os.path.getmtime(name))
+                tar.addfile(info, io.BytesIO(data))
+        if os.path.getsize(path + ".tmp") <= ARCHIVE_LIMIT or tail < 1024:
+            break
+        tail //= 2
+    os.replace(path + ".tmp", path)
+
+
 def run_checks(ctx: Ctx, selected: list[Check], deadline: float, t_start: float) -> list[dict]:
     """Each check in turn, one JSON line each: skipped when what is left of the deadline is less than it
     plans, cut (failed) at the deadline or at 3x its plan."""
@@ -690,7 +753,7 @@ def run_checks(ctx: Ctx, selected: list[Check], deadline: float, t_start: float)
             else:
                 rec.update(status="ok" if got.get("ok") else "failed", **got)
         rec["wall_s"] = round(time.time() - t0, 1)
-        print(json.dumps(rec), flush=True)
+        ctx.emit(rec)
         lines.append(rec)
     return lines
 
@@ -718,6 +781,9 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=DEADLINE_S, help="seconds for everything; a check that no "
                                                                       "longer fits is skipped")
     p.add_argument("--work", default="", help="folder for models, runs and logs (default: a new temporary one)")
+    p.add_argument("--out-dir", default="", help="folder for what to bring back, written as the check goes: "
+                                                 "results.jsonl (every JSON line), summary.json and logs.tar.gz (the "
+                                                 "tail of every log), three files under 16 MiB each")
     p.add_argument("--part", default="", choices=["", *PARTS], help=argparse.SUPPRESS)  # one check's own process
     args = p.parse_args()
     only = [n for n in args.only.split(",") if n]
@@ -736,20 +802,26 @@ def main() -> int:
         return 0
     t_start = time.time()
     os.makedirs(ctx.work, exist_ok=True)
+    if args.out_dir:
+        ctx.out_dir = os.path.abspath(args.out_dir)
+        os.makedirs(ctx.out_dir, exist_ok=True)
     if why := install_wheels(ctx):
-        print(json.dumps({"check": "setup", "status": "failed", "ok": False, "error": why}), flush=True)
+        ctx.emit({"check": "setup", "status": "failed", "ok": False, "error": why})
         return 1
     import torch
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(json.dumps({"check": "setup", "status": "failed", "ok": False,
-                          "error": "no CUDA GPU: --device cpu runs the code at toy sizes on the CPU"}), flush=True)
+        ctx.emit({"check": "setup", "status": "failed", "ok": False,
+                  "error": "no CUDA GPU: --device cpu runs the code at toy sizes on the CPU"})
         return 1
     set_up(ctx, selected)
-    print(json.dumps({"check": "setup", "status": "ok", "ok": True, "planned_s": SETUP_S,
-                      "wall_s": round(time.time() - t_start, 1), "work": ctx.work}), flush=True)
+    ctx.emit({"check": "setup", "status": "ok", "ok": True, "planned_s": SETUP_S,
+              "wall_s": round(time.time() - t_start, 1), "work": ctx.work})
     lines = run_checks(ctx, selected, args.deadline, t_start)
     out = summary(ctx, lines, t_start, args.deadline)
-    print(json.dumps(out), flush=True)
+    ctx.emit(out)
+    if ctx.out_dir:
+        with open(os.path.join(ctx.out_dir, "summary.json"), "w") as f:
+            json.dump(out, f, indent=1)
     return 0 if out["ok"] else 1
 
 
