@@ -69,6 +69,14 @@ def mix64(*values: int) -> int:
     return h
 
 
+def request_seeds(seed: int, keys: list[int], prompts: list[list[int]], seeded: bool) -> list[int | None]:
+    """vLLM's seed for each request: from (engine seed, key, prompt length), 31 bits, where `seeded` (vLLM's CPU
+    build, whose runs resume bit for bit); else none. vLLM samples seeded requests one by one in a Python loop at
+    every decode step (`python -m bench seeds`: ~7 us a row a step, 8% of this CPU's decoding of the tiny model,
+    more beside a GPU's step), and a GPU's batched kernels are not bit-exact from run to run anyway."""
+    return [mix64(seed, k, len(p)) >> 33 if seeded else None for k, p in zip(keys, prompts)]
+
+
 def uniforms(seed: int, keys: list[int], positions: list[int]) -> torch.Tensor:
     """One number in [0, 1) per request: a function of (seed, key, position) only (53 random bits)."""
     return torch.tensor([(mix64(seed, k, p) >> 11) / 2**53 for k, p in zip(keys, positions)], dtype=torch.float64)
@@ -327,7 +335,7 @@ class VLLMEngine:
             pin(self.processes, bound_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")))
         self.tp, self.dtype, self.transfer = tp, getattr(torch, dtype), None
         self.asleep: set[str] = set()  # what of a sleeping engine's memory is not back yet: "weights", "kv_cache"
-        self.seed = seed
+        self.seed, self.seeded = seed, on_cpu
         self.generator = torch.Generator().manual_seed(seed)  # only for requests sent without keys
 
     def rng_state(self) -> torch.Tensor:
@@ -338,13 +346,14 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,
                  keys: list[int] | None = None) -> list[Generation]:
-        """vLLM seeds each request once, from (engine seed, key, prompt length): reproducible whatever the
-        batch, but a sample continued over segments draws other numbers than one decoded in one go."""
+        """On CPU vLLM seeds each request once, from (engine seed, key, prompt length): reproducible whatever the
+        batch, but a sample continued over segments draws other numbers than one decoded in one go. On a GPU
+        no request carries a seed (request_seeds)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         self.wake(["weights", "kv_cache"])  # no update after the last pause: nothing woke the KV cache
         keys = request_keys(self.generator, len(prompts)) if keys is None else keys
-        seeds = [mix64(self.seed, k, len(p)) >> 33 for k, p in zip(keys, prompts)]  # 31 bits
+        seeds = request_seeds(self.seed, keys, prompts, self.seeded)
         todo = [i for i, m in enumerate(max_tokens) if m > 0]
         params = [SamplingParams(max_tokens=max_tokens[i], temperature=sampling.temperature, top_p=sampling.top_p,
                                  top_k=sampling.top_k, logprobs=0, seed=seeds[i], detokenize=False) for i in todo]

@@ -10,6 +10,7 @@ of the tests (tests/test_bench.py only runs each mode at a trivial size); timing
     python -m bench routing                     # MoE experts and log-prob gap, engine vs trainer, replay off/on
     python -m bench overlap                     # --overlap 1 vs 0: trainer and vLLM in two processes, a core each
     python -m bench decode                      # a decode step's cost against its busy rows, both engines, 2 sizes
+    python -m bench seeds                       # vLLM with and without a seed on each request, 256 and 1024 rows
     python -m bench scale                       # 1/2/4/8 segments' rollout, random 85M model, long-tail lengths
     python -m bench gpu                         # the GPU cost model's UloRL Table 1 over its unknowns (arithmetic)
     python -m bench reward                      # the reward pool against a single-process loop, 1000 math answers
@@ -47,12 +48,12 @@ slot busy until the last row stops. For vLLM's continuous batching the number is
 import argparse
 import json
 
-from bench import (decode, gpu, memory, memory_plan, moe_routing, overlap, reward_pool, scale, segments, sp,
-                   vs_trl)
+from bench import (decode, gpu, memory, memory_plan, moe_routing, overlap, reward_pool, scale, seeds, segments,
+                   sp, vs_trl)
 from bench.common import clean
 
 # in --help's order
-MODES = (segments, vs_trl, memory, sp, overlap, gpu, decode, scale, moe_routing, reward_pool, memory_plan)
+MODES = (segments, vs_trl, memory, sp, overlap, gpu, decode, seeds, scale, moe_routing, reward_pool, memory_plan)
 
 
 def parser() -> argparse.ArgumentParser:

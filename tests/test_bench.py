@@ -167,6 +167,16 @@ def test_decode(tmp_path):
     assert figure.stat().st_size > 0
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_seeds(tmp_path):
+    """vLLM with and without a seed on each request, at a trivial size: figures for every row count."""
+    r = last_json(run_bench("seeds", "--model", "64x2", "--rows", "2,4", "--tokens", "3", "--rounds", "2",
+                            "--dir", str(tmp_path), timeout=300))
+    assert r["bench"] == "seeds" and sorted(r["results"]) == ["2", "4"]
+    assert all(x["seeded_tok_s"] > 0 and x["plain_tok_s"] > 0 for x in r["results"].values()), r  # timings only
+
+
 def test_enforced_lengths_through_a_real_engine(tok, lm):
     """Enforced around the transformers engine (no stop id) under the real scheduler: a sample ends exactly where
     the long tail drew its length, whatever the segments, and a segment's call never decodes past cap / S."""

@@ -132,6 +132,17 @@ def test_keyed_draws_ignore_batch_and_segments(tok, lm):
     assert [g.tokens for g in other_seed] != [g.tokens for g in whole]
 
 
+def test_vllm_requests_carry_seeds_on_cpu_only():
+    """vLLM samples seeded requests one by one at every decode step (8% of this CPU's decoding, measured by
+    `python -m bench seeds`): only its CPU build, where runs resume bit for bit, gets them; a request's seed is
+    a function of (engine seed, key, prompt length), 31 bits."""
+    from engine import mix64, request_seeds
+    prompts, keys = [[1, 2, 3], [4, 5]], [7, -3]
+    seeds = request_seeds(11, keys, prompts, seeded=True)
+    assert seeds == [mix64(11, 7, 3) >> 33, mix64(11, -3, 2) >> 33] and all(0 <= s < 2**31 for s in seeds)
+    assert request_seeds(11, keys, prompts, seeded=False) == [None, None]
+
+
 def test_length_buckets_by_hand():
     """Longest first; a row joins the current group while it is >= 3/4 of the group's widest."""
     assert engine_lib.length_buckets([4, 40, 31, 5, 29, 3, 60]) == [[6], [1, 2], [4], [3, 0], [5]]
