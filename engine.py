@@ -69,6 +69,20 @@ def mix64(*values: int) -> int:
     return h
 
 
+class SyncError(RuntimeError):
+    """A weight sync that failed with the engine's workers mid-update: the run ends (train.py exits at once, not
+    waiting for the sync's threads, which may be blocked for good in a broadcast)."""
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def request_seeds(seed: int, keys: list[int], prompts: list[list[int]], seeded: bool) -> list[int | None]:
     """vLLM's seed for each request: from (engine seed, key, prompt length), 31 bits, where `seeded` (vLLM's CPU
     build, whose runs resume bit for bit); else none. vLLM samples seeded requests one by one in a Python loop at
@@ -381,7 +395,8 @@ class VLLMEngine:
         elif self.transfer.source.lm is not lm:  # another module than last time (tests; a reloaded trainer)
             self.transfer.source = weight_sync.HFSource(lm, self.dtype, weight_sync.sender_device(self.backend))
         try:
-            weight_sync.send(self.transfer, broadcast=self.backend != "ipc")
+            weight_sync.send(self.transfer, broadcast=self.backend != "ipc",
+                             engine_alive=lambda: all(map(alive, self.processes)))
         except weight_sync.SyncFailed as e:  # its workers wait in a broadcast that will never complete
             for pid in self.processes:
                 try:
@@ -389,8 +404,8 @@ class VLLMEngine:
                 except ProcessLookupError:
                     pass
             what = "was shut down" if self.processes else "holds broken weights"  # (in this process: zeros)
-            raise RuntimeError(f"{e}; the rollout engine {what}: resume from the newest checkpoint with "
-                               f"--resume auto") from e.__cause__
+            raise SyncError(f"{e}; the rollout engine {what}: resume from the newest checkpoint with "
+                            f"--resume auto") from e.__cause__
         self.wake(["kv_cache"])
         self.llm.reset_prefix_cache()
 

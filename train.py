@@ -35,7 +35,7 @@ import reward
 import sandbox
 import ulorl
 from config import Config, parse_config
-from engine import Sampling
+from engine import Sampling, SyncError
 from rollouts import EngineFailure, Rollouts
 from segment_rollout import Pools, Sample
 from ulorl import RunState
@@ -356,9 +356,14 @@ def main(cfg: Config) -> None:
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python train.py`: main, with a user's mistake, a full disk or a broken weight sync said in one line."""
     try:
         main(parse_config(description=__doc__))
+    except SyncError as e:  # the sync's threads may wait in a broadcast for good: exit without them
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        reward.pool.close_pool()
+        os._exit(1)  # under torchrun, the other ranks (in the sync's gathers) are ended by its agent
     except (ValueError, FileNotFoundError) as e:  # a user's mistake (a data row, an --out, a file): the message says it
         sys.exit(f"error: {e}")
     except OSError as e:  # a full disk or a read-only --out while writing the logs
@@ -366,3 +371,7 @@ if __name__ == "__main__":
             raise
         sys.exit(f"error: {e.strerror} ({e.filename}); the newest complete checkpoint in --out resumes with "
                  f"--resume auto once it can be written")
+
+
+if __name__ == "__main__":
+    cli()

@@ -25,6 +25,7 @@ import logging
 import math
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -52,12 +53,14 @@ class HFSource(WeightSource):
         self.lm, self.dtype, self.device = lm, dtype, device
         self._meta = [ParamMeta(name, dtype or t.dtype, tuple(t.shape))
                       for name, t in distributed.hf_weights(lm, on_meta=True)]
+        self.moved = time.monotonic()  # when the sender last took a tensor (send's watchdog)
 
     def metadata(self) -> list[ParamMeta]:
         return self._meta
 
     def __iter__(self):
         for name, t in distributed.hf_weights(self.lm, dtype=self.dtype):  # cast before the gather, as gather_only
+            self.moved = time.monotonic()
             yield name, t if self.device is None or t.device == self.device else t.to(self.device)
 
 
@@ -102,25 +105,53 @@ class SyncFailed(RuntimeError):
     down; the run stops with this error."""
 
 
-def send(transfer, broadcast: bool) -> None:
+SYNC_STALL_S = 60.0  # a sync in which no tensor moves for this long has failed (a 30B model's takes seconds)
+
+
+def send(transfer, broadcast: bool, engine_alive=None) -> None:
     """`transfer.send_weights()`, which calls start, update and finish on the workers with nothing around them:
     one that fails after start (the trainer's side: packing, an out-of-memory error, a CUDA error) leaves the
     workers mid-update. Receiving by broadcast (`broadcast`: gloo, NCCL) they are blocked in it: SyncFailed,
     for the caller to tear the engine down. Receiving by CUDA IPC they are not: they are finished before the
     error goes up (a layer that received nothing gets its old weights back), and the error says the engine's
-    weights are mixed."""
-    try:
-        transfer.send_weights()
-    except Exception as e:
-        if not transfer.client.updating:
-            raise
-        if broadcast:
-            raise SyncFailed(f"the weight sync failed while the engine's workers were receiving "
-                             f"({type(e).__name__}: {e})") from e
-        transfer.client.finish_weight_update()
-        raise RuntimeError("the weight sync failed after the engine's workers started the update; they finished it "
-                           "with the tensors that had arrived, and hold a mix of old and new weights: sync again "
-                           "before generating") from e
+    weights are mixed.
+    The sync runs in a thread of its own, watched: an engine that died (`engine_alive()` false), workers that
+    failed to load a tensor (the gloo sender sees their error), or no tensor moved for SYNC_STALL_S (a worker
+    that never returns; an NCCL broadcast has no timeout) is SyncFailed at once, with the sync thread left
+    blocked where it is: the caller tears the engine down, and the process must end without waiting for it
+    (vLLM's own update thread, orphaned in that broadcast, is joined at interpreter exit)."""
+    outcome, done = {}, threading.Event()
+
+    def run():
+        try:
+            transfer.send_weights()
+        except BaseException as e:  # noqa: B036 -- handed to the caller's thread
+            outcome["error"] = e
+        finally:
+            done.set()
+    transfer.source.moved = time.monotonic()
+    threading.Thread(target=run, name="weight sync", daemon=True).start()
+    while not done.wait(0.2):
+        failed = getattr(transfer, "failed", None)
+        why = ("the engine's process died" if engine_alive is not None and not engine_alive() else
+               f"the engine's workers failed to load the weights ({type(failed[0]).__name__}: {failed[0]})"
+               if failed else f"no tensor moved for {SYNC_STALL_S:.0f} s"
+               if time.monotonic() - transfer.source.moved > SYNC_STALL_S else None)
+        if why:
+            raise SyncFailed(f"the weight sync failed while the engine's workers were receiving: {why}")
+    e = outcome.get("error")
+    if e is None:
+        return
+    if not transfer.client.updating:
+        raise e
+    if broadcast:
+        died = "the engine's process died " if engine_alive is not None and not engine_alive() else ""
+        raise SyncFailed(f"the weight sync failed while the engine's workers were receiving: {died}"
+                         f"({type(e).__name__}: {e})") from e
+    transfer.client.finish_weight_update()
+    raise RuntimeError("the weight sync failed after the engine's workers started the update; they finished it "
+                       "with the tensors that had arrived, and hold a mix of old and new weights: sync again "
+                       "before generating") from e
 
 
 def ipc_buffer_size(meta: list[ParamMeta], least: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES) -> int:
@@ -250,8 +281,8 @@ class GlooTrainer(TrainerWeightTransferEngine):
         meta = self.source.metadata()
         self.client.start_weight_update()
         # the workers receive beside the broadcasts, in a thread nobody waits for if they fail: the workers are
-        # then blocked in a broadcast for good, and the caller tears the engine down (send)
-        failed = []
+        # then blocked in a broadcast for good, and the caller tears the engine down (send, which watches `failed`)
+        self.failed = failed = []
         receiving = threading.Thread(target=lambda: self._receive(meta, failed), daemon=True)
         receiving.start()
         sent = 0

@@ -110,7 +110,8 @@ POOL: list[_Worker] = []
 
 
 @atexit.register
-def _close_pool() -> None:
+def close_pool() -> None:
+    """Kill every worker (at exit; and before a process ends without its atexit handlers)."""
     for w in POOL:
         w.kill()
     POOL.clear()

@@ -6,6 +6,7 @@ updates, and the weight sync that other RL frameworks get wrong (stale prefix ca
 import copy
 import os
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -231,3 +232,65 @@ def test_a_sync_prints_vllms_warnings_not_its_expected_ones(scripts):
     syncs, left_out = out.split("=== syncs")[1].split("=== one left out")
     assert "Failed to load weights" not in syncs and " INFO " not in syncs, syncs[-2000:]
     assert "RowParallelLinear: Failed to load weights" in left_out.split("=== done")[0], left_out[-2000:]
+
+
+# train.py whose first weight sync breaks (argv[1]): "killed" kills the engine's processes after the 3rd tensor,
+# "raises" sends one tensor in a shape the engine's load_weights refuses, "hangs" stops sending after the 3rd
+# (a broadcast that never returns; the watchdog's stall is 5 s here, 60 in a run)
+BROKEN_SYNC = """import os, signal, sys, time
+import distributed, engine, train, weight_sync
+how = sys.argv.pop(1)
+weight_sync.SYNC_STALL_S = 5.0
+real_weights, real_update = distributed.hf_weights, engine.VLLMEngine.update_weights
+def update(self, lm):
+    def broken(module, **kw):
+        for i, (name, t) in enumerate(real_weights(module, **kw)):
+            if how == "raises" and i == 3:
+                t = t.reshape(-1)[:-1]
+            yield name, t
+            if i == 3 and not kw.get("on_meta"):
+                print("broken at", time.time(), flush=True)
+                if how == "killed":
+                    for pid in self.processes:
+                        os.kill(pid, signal.SIGKILL)
+                if how == "hangs":
+                    time.sleep(3600)
+    distributed.hf_weights = broken
+    self.transfer = None  # its metadata taken again, through the broken weights
+    return real_update(self, lm)
+engine.VLLMEngine.update_weights = update
+if __name__ == "__main__":  # vLLM's engine process starts by spawn
+    train.cli()
+"""
+
+
+@pytest.mark.slow
+def test_a_sync_that_breaks_ends_every_rank_of_the_run(tmp_path):
+    """An engine killed in the middle of a weight sync (2 ranks under torchrun: the engine in a process of its
+    own), a worker that raises in load_weights, and a sync that never returns (one process each): the run ended
+    with a traceback and then hung (vLLM's pending call is never failed, and its thread is joined at exit), the
+    other ranks waiting in their gathers for --dist-timeout; a worker that raised left the trainer in a broadcast.
+    Now each ends the run, every rank, within seconds of the failure, the cause printed once."""
+    from conftest import ROOT, run, together
+    script = tmp_path / "broken_sync.py"
+    script.write_text(BROKEN_SYNC)
+    common = ["train.py", "--engine", "vllm", "--steps", "2", "--eval-data", "", "--dump-samples", "0",
+              "--train-groups", "2", "--prompts-per-step", "2", "--max-response-len", "16", "--segments", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONPATH=ROOT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+    def broken(how, launcher):
+        p = run([*launcher, str(script), how, *common[1:], "--out", str(tmp_path / how), "--dist-timeout", "600"],
+                timeout=400, cwd=ROOT, env=env, warm=False)
+        return p, time.time()
+    done = together(lambda: broken("killed", torchrun), lambda: broken("raises", [sys.executable]),
+                    lambda: broken("hangs", [sys.executable]))
+    for (p, ended), why in zip(done, ["the engine's process died", "failed to load the weights",
+                                      "no tensor moved for 5 s"]):
+        assert p.returncode != 0, p.stderr[-3000:]
+        assert "broken at" in p.stdout, (why, p.stdout[-2000:], p.stderr[-2000:])
+        broken_at = float(next(x for x in p.stdout.splitlines() if x.startswith("broken at")).split()[-1])
+        assert ended - broken_at < 60, (why, ended - broken_at)
+        assert p.stderr.count("error: the weight sync failed") == 1 and why in p.stderr, p.stderr[-3000:]
+        if why != "the engine's process died":  # (under torchrun the other rank's gathers then say rank 0 is gone)
+            assert "Traceback" not in p.stderr, p.stderr[-3000:]
