@@ -121,9 +121,13 @@ def send(transfer, broadcast: bool, engine_alive=None) -> None:
     blocked where it is: the caller tears the engine down, and the process must end without waiting for it
     (vLLM's own update thread, orphaned in that broadcast, is joined at interpreter exit)."""
     outcome, done = {}, threading.Event()
+    # a thread starts on CUDA's device 0: the sync's gathers and sends run on this rank's own GPU
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
     def run():
         try:
+            if device is not None:
+                torch.cuda.set_device(device)
             transfer.send_weights()
         except BaseException as e:  # noqa: B036 -- handed to the caller's thread
             outcome["error"] = e
