@@ -217,53 +217,26 @@ def test_sharded_checkpoint_resumes_exactly_with_the_optimizer_offloaded(runs, f
 
 
 def _gradient_memory_worker(rank, world, port, out):
-    """Two updates (ulorl.update) of a 42M-parameter Qwen3 whose parameters are nearly all in its 12 layers, on a
-    fixed batch split over `world` ranks (FSDP2 over gloo; one process: no wrapper): one micro-batch per rank, then
-    four. Writes this rank's memory held between micro-batches (the resident bytes at the start of each training
-    forward but the first, above the first's) and, from rank 0, the weights after both."""
-    import contextlib
-    import ctypes
+    """tests/gpu/h200.py's gradient_memory on CPU: FSDP2 over gloo on `world` ranks (one process: no wrapper).
+    Writes this rank's figures and, from rank 0, the weights before (one process) and after the two updates."""
+    import importlib.util
     import torch.distributed as dist
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    import config
     import distributed
-    import model as model_lib
-    import ulorl
-    from segment_rollout import Sample
-    libc = ctypes.CDLL(None)
-    libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: what torch frees goes back to the system, so RSS is what lives
-    libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD
+    spec = importlib.util.spec_from_file_location("gpu_h200", os.path.join(ROOT, "tests", "gpu", "h200.py"))
+    h200 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(h200)
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    lm = Qwen3ForCausalLM(Qwen3Config(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
-                                      num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                                      max_position_embeddings=256, tie_word_embeddings=False))
-    policy = model_lib.wrap(lm, "fsdp" if world > 1 else "none")
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    gen = torch.Generator().manual_seed(1)
-    groups = [[Sample(4 * g + i, g, prompt, {"verifier": "tiny"}, torch.randint(0, 1024, (48,), generator=gen).tolist(),
-                      [-7.0] * 48, [0] * 48, [0], "eos", float(i % 2)) for i in range(4)]
-              for g, prompt in enumerate(torch.randint(0, 1024, (4, 16), generator=gen).tolist())]
-    rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # noqa: E731
-    at_forward = []
-    policy.register_forward_pre_hook(lambda module, args: at_forward.append(rss()) if torch.is_grad_enabled() else None)
-    held = {}
-    if world == 1:
-        torch.save({n: p.detach().clone() for n, p in lm.named_parameters()}, os.path.join(out, "weights_start.pt"))
-    for micro_tokens in (4096, 128):  # 8 samples of 64 tokens on a rank: one micro-batch, then four
-        cfg = config.Config(max_tokens_per_micro_batch=micro_tokens, device="cpu", kl_coef=0.0, on_engine_kl="warn")
-        at_forward.clear()
-        ulorl.update(policy, None, opt, sched, groups, 0, 0, cfg)
-        held[micro_tokens] = [b - at_forward[0] for b in at_forward[1:]]
-    weights = {n: distributed.full_tensor(p.detach()).clone() for n, p in lm.named_parameters()}
-    shard = sum(distributed.full_tensor(p).numel() for p in lm.parameters()) * 4 // world
+    weights = []
+    got = h200.gradient_memory("cpu", world, "fsdp" if world > 1 else "none", keep=lambda lm: weights.append(
+        {n: distributed.full_tensor(p.detach()).clone() for n, p in lm.named_parameters()}))
     with open(os.path.join(out, f"held_{world}_{rank}.json"), "w") as f:
-        json.dump({"held": held, "shard": shard}, f)
+        json.dump(got, f)
     if rank == 0:
-        torch.save(weights, os.path.join(out, f"weights_{world}.pt"))
+        torch.save(weights[-1], os.path.join(out, f"weights_{world}.pt"))
+        if world == 1:
+            torch.save(weights[0], os.path.join(out, "weights_start.pt"))
     if world > 1:
         dist.destroy_process_group()
 
@@ -279,8 +252,8 @@ def test_fsdp_gradients_stay_sharded_between_micro_batches(tmp_path):
     for rank in (0, 1):
         found = json.load(open(tmp_path / f"held_2_{rank}.json"))
         held, shard = found["held"], found["shard"]
-        assert held["4096"] == [] and len(held["128"]) == 3, held  # one micro-batch, then four
-        assert 0.8 * shard < max(held["128"]) < 1.2 * shard, (rank, [b >> 20 for b in held["128"]], shard >> 20)
+        assert held["1"] == [] and len(held["4"]) == 3, held  # one micro-batch, then four
+        assert 0.8 * shard < max(held["4"]) < 1.2 * shard, (rank, [b >> 20 for b in held["4"]], shard >> 20)
     one, two, start = (torch.load(tmp_path / f"weights_{name}.pt") for name in (1, 2, "start"))
     assert rel_diff(one, start) > 1e-3, "two updates must move the weights"
     assert rel_diff(one, two) < 1e-4, rel_diff(one, two)

@@ -1,6 +1,6 @@
 """The GPU check for a machine of ONE GPU without vLLM (an H200, ~139 GiB; Python 3.12, torch 2.11, transformers
 5.17 and their neighbours preinstalled; no network). What one GPU can show of the trainer's GPU path without
-the engine: the packed-attention kernel, train.py with the transformers engine on a 64-expert MoE, one FSDP2
+the engine: the gradients a rank holds between micro-batches, the packed-attention kernel, train.py with the transformers engine on a 64-expert MoE, one FSDP2
 rank with its optimizer in host memory and the tensors the weight sync would send, Qwen3-30B-A3B's decoder
 layers on 32k and 128k-token rows against the memory plan, and two benchmarks. Not run on a GPU yet: the
 planned seconds are estimates until it has.
@@ -18,7 +18,19 @@ its status (ok, failed or skipped), its planned and measured seconds and its fig
 and the exit status is 1 when a check failed. A global deadline (--deadline, 480 s from the start) skips the
 checks that no longer fit in what is left of it (skipped, not failed), and cuts one that runs into it (failed).
 
-The checks, in the order they run (planned seconds on one H200, start-up included: CHECKS):
+The checks, in the order they run, that of what they teach (planned seconds on one H200, start-up
+included: CHECKS; the deadline cuts the last first):
+  grad_memory       GRADIENT_SHAPE's 42M-parameter model (its parameters nearly all in its layers) under FSDP2 on one
+                    torchrun rank, bf16 over fp32 masters: two updates, one micro-batch then four, and what the
+                    rank holds on the GPU between micro-batches against its shard of the fp32 gradients (FSDP2
+                    reduce-scatters every micro-batch: with the sync off it kept every gradient unsharded). One
+                    GPU shows no sharding (the shard is the whole model): tests/test_distributed.py measures it
+                    on 2 gloo ranks
+  qwen3_30b_layers  LAYERS decoder layers in Qwen3-30B-A3B's shapes (tests/configs: hidden 2048, 32 / 4 heads of
+                    128, 128 experts top-8 of 768, vocabulary 151936; YaRN as the ulorl preset), one update
+                    each on one packed row of 32768 and of 131072 tokens, bf16 over fp32 masters, varlen,
+                    checkpointing: the measured peak against the plan of the same model and row, and the gap
+                    (the plan counts no FlashAttention backward workspace); the headline's plan beside it
   kernel            tests/gpu/check.py's kernel check (varlen against masked sdpa on a packed 16k-token row:
                     output and q/k/v gradients; varlen alone at 131072 tokens), and there its extra memory
                     within what the plan gives attention in a layer: q, k, v, their copies and the output, and
@@ -33,11 +45,6 @@ The checks, in the order they run (planned seconds on one H200, start-up include
                     host memory (CPUOffloadPolicy): sharded loading of that MoE, one update (ulorl.update), and
                     every tensor the weight sync would send (weight_sync.HFSource, as the NCCL sender gets
                     them): each must be on the GPU, whatever host memory its shard was gathered in
-  qwen3_30b_layers  LAYERS decoder layers in Qwen3-30B-A3B's shapes (tests/configs: hidden 2048, 32 / 4 heads of
-                    128, 128 experts top-8 of 768, vocabulary 151936; YaRN as the ulorl preset), one update
-                    each on one packed row of 32768 and of 131072 tokens, bf16 over fp32 masters, varlen,
-                    checkpointing: the measured peak against the plan of the same model and row, and the gap
-                    (the plan counts no FlashAttention backward workspace); the headline's plan beside it
   decode            the decode-step cost against busy rows 1-256 for a random 1.4B dense Qwen3 (2048 x 28,
                     Qwen3-1.7B's width and depth) with the transformers engine: the benchmarks' decode mode
                     (BENCH) with --device cuda
@@ -72,7 +79,7 @@ import check  # noqa: E402  (tests/gpu/check.py: the kernel check, the MoE model
 import wheels  # noqa: E402
 
 BENCH = "-m bench"  # the benchmarks' entry point, as `python BENCH MODE ...` runs them (from the project's root)
-DEADLINE_S = 480  # the whole check, start-up included, on a machine lent for ~11 minutes
+DEADLINE_S = 480  # the whole check, start-up included, on a machine lent for ~11 minutes (420 s planned)
 TREE_LIMIT = 64 * 2**20  # what travels to the GPU machine: the working tree and the carried wheels
 QWEN3_30B = os.path.join(ROOT, "tests", "configs", "Qwen3-30B-A3B")
 # Qwen3-30B-A3B's config.json, as the ulorl preset's model: what the layers check builds on
@@ -279,10 +286,13 @@ def moe_train_run(ctx: Ctx, timeout: float) -> dict:
     return {"ok": not problems, "error": "; ".join(problems) or None, "runs": lines, "routing_replay": routing}
 
 
-def fsdp_commands(ctx: Ctx) -> list:
+def fsdp_commands(ctx: Ctx, part: str = "fsdp_offload") -> list:
     torchrun = [ctx.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-    cmd = [*torchrun, *ctx.part("fsdp_offload")[1:]]
+    cmd = [*torchrun, *ctx.part(part)[1:]]
     return [(base_env(ctx), cmd)]
+
+
+gradient_commands = functools.partial(fsdp_commands, part="grad_memory")
 
 
 def layers_commands(ctx: Ctx) -> list:
@@ -343,14 +353,16 @@ def train_commands(ctx: Ctx) -> list:
     return [(r.env, r.cmd) for r in moe_runs(ctx)]
 
 
+# in the order of what they teach, should the deadline cut the last ones
 CHECKS = [
+    Check("grad_memory", 35, gradient_commands, functools.partial(part_run, "grad_memory", gradient_commands)),
+    Check("qwen3_30b_layers", 80, layers_commands, functools.partial(part_run, "qwen3_30b_layers", layers_commands)),
     Check("kernel", 30, kernel_commands, kernel_run, cpu="varlen is CUDA-only (tests/test_gpu_check.py runs the "
                                                          "harness on CPU with sdpa)"),
-    Check("moe_train", 110, train_commands, moe_train_run),
-    Check("fsdp_offload", 50, fsdp_commands, functools.partial(part_run, "fsdp_offload", fsdp_commands)),
-    Check("qwen3_30b_layers", 80, layers_commands, functools.partial(part_run, "qwen3_30b_layers", layers_commands)),
-    Check("decode", 60, decode_commands, decode_run),
-    Check("segments", 90, segments_commands, segments_run),
+    Check("moe_train", 100, train_commands, moe_train_run),
+    Check("fsdp_offload", 45, fsdp_commands, functools.partial(part_run, "fsdp_offload", fsdp_commands)),
+    Check("decode", 45, decode_commands, decode_run),
+    Check("segments", 65, segments_commands, segments_run),
 ]
 SETUP_S = 20  # the wheels' install, the MoE model and data, the segments model
 
@@ -593,7 +605,83 @@ def part_fsdp(ctx: Ctx) -> dict:
     return out
 
 
-PARTS = {"qwen3_30b_layers": part_layers, "fsdp_offload": part_fsdp}
+# a 42M-parameter Qwen3 whose parameters are nearly all in its 12 decoder layers, as a large model's are
+GRADIENT_SHAPE = dict(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+
+
+def gradient_memory(device: str, world: int, parallel: str, compute_dtype=None, keep=None) -> dict:
+    """Two updates (ulorl.update) of GRADIENT_SHAPE's model on a fixed batch of 16 samples of 64 tokens, split
+    over the `world` trainer ranks (the process group is the caller's): one micro-batch a rank, then four. What the
+    rank holds between micro-batches: the memory at the start of each training forward but the first, above the
+    first's (a GPU: CUDA's allocated bytes; a CPU: the resident bytes, with malloc set to hand back what torch
+    frees), against its shard of the fp32 gradients. `keep(lm)` is called before and after the updates."""
+    import ctypes
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import config
+    import distributed
+    import model as model_lib
+    import ulorl
+    from segment_rollout import Sample
+    if device == "cuda":
+        measure = torch.cuda.memory_allocated
+    else:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: what torch frees goes back to the system
+        libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD
+        measure = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # noqa: E731
+    torch.manual_seed(0)
+    lm = Qwen3ForCausalLM(Qwen3Config(**GRADIENT_SHAPE)).to(device)
+    if keep:
+        keep(lm)
+    policy = model_lib.wrap(lm, parallel, compute_dtype=compute_dtype)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    gen = torch.Generator().manual_seed(1)
+    vocab = GRADIENT_SHAPE["vocab_size"]
+    groups = [[Sample(4 * g + i, g, prompt, {"verifier": "tiny"}, torch.randint(0, vocab, (48,), generator=gen).tolist(),
+                      [-7.0] * 48, [0] * 48, [0], "eos", float(i % 2)) for i in range(4)]
+              for g, prompt in enumerate(torch.randint(0, vocab, (4, 16), generator=gen).tolist())]
+    at_forward = []
+    policy.register_forward_pre_hook(lambda module, args: at_forward.append(measure()) if torch.is_grad_enabled()
+                                     else None)
+    held = {}
+    for micro_tokens, n in ((4096, 1), (128, 4)):  # 8 samples of 64 tokens a rank of 2: one micro-batch, then four
+        cfg = config.Config(max_tokens_per_micro_batch=micro_tokens * 2 // world, device=device, kl_coef=0.0,
+                            on_engine_kl="warn")
+        at_forward.clear()
+        ulorl.update(policy, None, opt, sched, groups, 0, 0, cfg)
+        held[n] = [b - at_forward[0] for b in at_forward[1:]]
+    if keep:
+        keep(lm)
+    shard = sum(distributed.full_tensor(p).numel() for p in lm.parameters()) * 4 // world
+    return {"held": held, "shard": shard}
+
+
+def part_gradients(ctx: Ctx) -> dict:
+    """grad_memory, in this torchrun rank (see the module's docstring)."""
+    import torch
+    import torch.distributed as dist
+    import distributed
+    cuda = ctx.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    distributed.init_distributed("nccl" if cuda else "gloo", 600)
+    t0 = time.time()
+    got = gradient_memory(ctx.device, dist.get_world_size(), "fsdp", torch.bfloat16 if cuda else None)
+    dist.destroy_process_group()
+    held = max(got["held"][4])
+    out = {"part": "grad_memory", "held_mib": [round(b / 2**20, 1) for b in got["held"][4]],
+           "shard_mib": round(got["shard"] / 2**20, 1), "held_over_shard": round(held / got["shard"], 3),
+           "seconds": round(time.time() - t0, 1)}
+    ok = len(got["held"][4]) == 3 and held < 1.25 * got["shard"]
+    return {**out, "ok": ok, "error": None if ok else f"a rank held {held / got['shard']:.2f}x its shard of the "
+                                                      f"gradients between micro-batches"}
+
+
+PARTS = {"qwen3_30b_layers": part_layers, "fsdp_offload": part_fsdp, "grad_memory": part_gradients}
 
 
 # ------------------------------------------------------------------------------------------ the whole
