@@ -164,15 +164,24 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
     if cfg.kl_coef > 0:
         trainer["reference"] = 0 if offload else P * b // shards if shards > 1 else P * c
     if shards > 1:  # (offloaded: each layer's shard is copied in for its all-gather, then the layer)
-        gathered = shape.root_params() + 2 * shape.layer_params()
+        layer, root = shape.layer_params(), shape.root_params()
+        gathered = root + 2 * layer
         trainer["gathered (FSDP)"] = gathered * c + (gathered * b // shards if offload else 0)
+        # the backward's gradients on their way to their shards: a layer's whole gradient forms in the compute dtype
+        # while the previous layer's fp32 reduce-scatter input is still held (FSDP2 frees one when the next is made),
+        # then it is copied into its own, once the layer's activations are freed (the excess over them counts); the
+        # root's (lm_head, embeddings) is held from the first step of the backward to the last
+        trainer["reduce-scatter (FSDP)"] = root * c + layer * (4 + c) + max(
+            0, layer * 4 - shape.layer_activations(T) * c)
     if sp > 1:  # a layer's q, k, v and output at the whole row's length for heads / sp, sent and received
         kv = max(shape.kv_heads, sp)
         trainer["all-to-all (--sp)"] = 2 * (2 * shape.heads + 2 * kv) // sp * L * shape.head_dim * c * \
             (1 if cfg.gradient_checkpointing else shape.layers)
     trainer.update({"activations": activation_bytes(shape, cfg, T, c),
                     "attention scores": attention_bytes(shape, cfg, L, sp, c),
-                    "lm_head chunks": 4 * 512 * shape.vocab * 4})
+                    "attention backward": attention_backward_bytes(shape, cfg, L, sp),
+                    "lm_head chunks": 4 * 512 * shape.vocab * 4,
+                    "micro-batches (collated)": collated_bytes(cfg, rank_samples(cfg, world, sp))})
     routed = shape.layers * shape.experts_per_token if cfg.routing_replay != "false" and shape.experts else 0
     if routed:  # the replay ids wait in host memory (below); each router moves its layer's slice to the device
         trainer["routing replay ids"] = T * shape.experts_per_token * 8
@@ -255,6 +264,36 @@ def attention_bytes(shape: Shape, cfg, L: int, sp: int, c: int) -> int:
         * c * (L // rows_len)
 
 
+def attention_backward_bytes(shape: Shape, cfg, L: int, sp: int) -> int:
+    """The attention kernel's backward beyond the gradients of q, k, v (activations count those): fp32 sums of a
+    layer's dq and of each row's softmax over the whole row of L tokens, heads / sp of them (under --sp the
+    all-to-all gives each rank whole rows for its heads). Eager attention's scores are counted whole instead."""
+    return 0 if cfg.attn_implementation == "eager" else L * -(-shape.heads // sp) * (shape.head_dim + 1) * 4
+
+
+# A collated micro-batch (model.MicroBatch), bytes a token: input ids and positions (or the attention mask), int64
+# each; and a response token's row, column and target (int64), behaviour log-prob, pi_old (fp32), version (int64),
+# and its three masks, plus the reference's log-prob (fp32) with a KL
+COLLATED_BYTES_PER_TOKEN, COLLATED_BYTES_PER_RESPONSE_TOKEN = 16, 3 * 8 + 2 * 4 + 8 + 3
+
+
+def rank_samples(cfg, world: int, sp: int) -> int:
+    """How many of the step's samples one rank trains: its share of each mini-batch (whole samples, split over the
+    world / sp data ranks; a sequence-parallel group's ranks share theirs)."""
+    samples = cfg.train_groups * cfg.group_size
+    mini = cfg.mini_batch if cfg.mini_batch > 0 else samples
+    return sum(-(-min(mini, samples - lo) // max(world // sp, 1)) for lo in range(0, samples, mini))
+
+
+def collated_bytes(cfg, samples: int) -> int:
+    """The step's micro-batches of one rank, collated on its device before the update (ulorl.plan_micro_batches)
+    and kept to the end with what the pass before the update adds (pi_old, masks, the reference's log-probs), at
+    full length."""
+    per_response = COLLATED_BYTES_PER_RESPONSE_TOKEN + (4 if cfg.kl_coef > 0 else 0)
+    return samples * ((cfg.max_prompt_len + cfg.max_response_len) * COLLATED_BYTES_PER_TOKEN
+                      + cfg.max_response_len * per_response)
+
+
 def host_items(shape: Shape, cfg, world: int, sp: int, T: int, routed: int) -> dict:
     """Host memory of a trainer process for the rollout's records and the step's batch (`routed`: replayed
     expert ids a token, 0 without routing replay)."""
@@ -270,8 +309,7 @@ def host_items(shape: Shape, cfg, world: int, sp: int, T: int, routed: int) -> d
         # split over the world / sp data ranks, whole samples) at full length; each router (the reference's too)
         # keeps its slice of the running micro-batch
         ids = routed * (1 if shape.experts <= 256 else 2)  # bytes a token: routing.routing_dtype
-        mini = cfg.mini_batch if cfg.mini_batch > 0 else samples
-        mine = sum(-(-min(mini, samples - lo) // max(world // sp, 1)) for lo in range(0, samples, mini))
+        mine = rank_samples(cfg, world, sp)
         host.update({"routing records (rank 0)": slots * full * ids, "batch's routing (every rank)": 2 * batch * ids,
                      "routing replay ids (every rank)": mine * full * (routed * 2 + 8)
                      + (2 if cfg.kl_coef > 0 else 1) * T * routed * 2})

@@ -447,15 +447,17 @@ def shape_problems(config) -> list[str]:
 
 def headline_plan() -> dict:
     """The ulorl preset's trainer plan for Qwen3-30B-A3B on an H200 (141 GB), as the docs state it: 6 FSDP2
-    ranks, --sp 2, no offload. Its total and what a trainer may use, GiB."""
+    ranks and 2 engine GPUs, --sp and offload as the plan chooses them. Those, its total and what a trainer may
+    use, GiB."""
     import config
     import model as model_lib
     import plan
-    cfg = config.parse_config(["--preset", "ulorl", "--model", QWEN3_30B, "--plan", "--sp", "2",
-                               "--offload-optimizer", "false", "--attn-implementation", "varlen"])
+    cfg = config.parse_config(["--preset", "ulorl", "--model", QWEN3_30B, "--plan", "--rollout-gpus", "6,7",
+                               "--attn-implementation", "varlen"])
     shape = plan.Shape.of(model_lib.model_config(QWEN3_30B, cfg.rope_scaling_factor, cfg.rope_original_max_positions))
-    p = plan.make_plan(shape, cfg, 6, 2, True)
-    return {"trainer_gib": round(p.trainer_total / 2**30, 2),
+    make = lambda c: plan.make_plan(shape, c, 6, 2, True)  # noqa: E731
+    cfg.sp, cfg.offload_optimizer = plan.choose(make, cfg, int(141e9), [1, 2], True)
+    return {"sp": cfg.sp, "offload": cfg.offload_optimizer, "trainer_gib": round(make(cfg).trainer_total / 2**30, 2),
             "budget_gib": round(141e9 * (1 - plan.RESERVE) / 2**30, 2)}
 
 
