@@ -320,9 +320,7 @@ def main(cfg: Config) -> None:
         record.update(ulorl.update(run.policy, run.ref, run.opt, run.sched, groups, state.version,
                                    run.tokenizer.pad_token_id, cfg, run.masters, state.engine_kl, probe))
         record.update(placement.memory_peaks(cfg, run.host_before))
-        ulorl.count_bad_steps(record, state, cfg, warn=lead)
-        if record["train/optimizer_steps"]:
-            state.version += 1
+        ulorl.after_update(record, state, cfg, warn=lead)  # the policy version advances if the weights changed
         if cfg.ref_reset_every and step % cfg.ref_reset_every == 0:
             run.reset_reference()  # ProRL: reference <- policy, fresh AdamW moments
             record["train/ref_reset"] = 1

@@ -316,9 +316,13 @@ def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: in
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in out.items()}  # JSON: no NaN
 
 
-def count_bad_steps(record: dict, state: RunState, cfg, warn: bool = True) -> None:
-    """Updates skipped for a NaN/inf loss or gradient are reported (`record` holds update()'s metrics);
+def after_update(record: dict, state: RunState, cfg, warn: bool = True) -> None:
+    """The policy version advances when an update changed the weights (`record` holds update()'s metrics): tokens
+    sampled from now on are stamped with it, and SAIS/TOIS name the weights that sampled them by it, so a step
+    whose every update was skipped for a NaN/inf loss or gradient keeps it. Skipped updates are reported;
     --max-bad-steps steps in a row without any applied update stop the run."""
+    if record["train/optimizer_steps"]:
+        state.version += 1
     if not record["train/skipped_updates"]:
         state.bad_steps = 0
         return

@@ -306,6 +306,14 @@ LONGEST_FIRST = ["test_bench", "test_overlap", "test_experiments", "test_engine_
                  "test_reward", "test_plan", "test_placement", "test_resume"]
 
 
+# an in-process test (not marked slow) takes seconds: one that runs a minute hangs (a rollout that never ends,
+# a loop that never converges) and fails then, not at pytest.ini's 900 s
+FAST_TIMEOUT = 60
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a file's tests keep their order
+    for item in items:
+        if item.get_closest_marker("slow") is None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(FAST_TIMEOUT))

@@ -173,9 +173,40 @@ def test_nan_loss_skips_the_update():
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
     assert not opt.state  # nothing of the NaN step reached the optimizer
     json.dumps(m, allow_nan=False)  # and the record stays valid JSON
+    state = ulorl.RunState(version=3)
+    ulorl.after_update(m, state, cfg, warn=False)  # no weights changed: no new policy version to stamp tokens with
+    assert (state.version, state.bad_steps) == (3, 1)
     m = ulorl.update(trainer, None, opt, sched, groups[:1], 0, tok.pad_token_id, cfg)  # good data trains again
     assert m["train/optimizer_steps"] == 1
     assert not all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+    ulorl.after_update(m, state, cfg, warn=False)
+    assert (state.version, state.bad_steps) == (4, 0)
+
+
+def test_the_loss_divides_by_the_tokens_of_every_micro_batch_of_the_step(tok, multi_version):
+    """The token-level loss: every micro-batch's loss is divided by the token count of the whole optimizer step
+    (all its micro-batches), not by its own, so that splitting a batch into micro-batches of unequal sizes
+    changes nothing. The weights after one plain gradient step (SGD: the change is the gradient itself) are
+    those of the same batch in one micro-batch, and so is the loss."""
+    policy, groups, _ = multi_version
+    samples = [s for g in groups for s in g]
+    lengths = sorted(len(s.prompt_ids) + len(s.tokens) for s in samples)
+    results = []
+    for micro_tokens in (10**6, lengths[-1] + lengths[0]):  # one micro-batch; then several, of unequal sizes
+        cfg = config.parse_config(["--max-tokens-per-micro-batch", str(micro_tokens), "--grad-clip", "1e9",
+                                   "--mpt", "off", "--pack", "true"])
+        split = model_lib.micro_batches(samples, micro_tokens, True)
+        sizes = {sum(len(samples[i].tokens) for i in mb) for mb in split}
+        assert len(split) == 1 if micro_tokens == 10**6 else len(split) > 4 and len(sizes) > 2
+        trainer = copy.deepcopy(policy)
+        opt = torch.optim.SGD(trainer.parameters(), lr=1.0)
+        out = ulorl.update(model_lib.wrap(trainer, "none"), None, opt, torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: 1.0), groups, 2, tok.pad_token_id, cfg)
+        results.append((out["loss/policy"], {k: v - policy.state_dict()[k] for k, v in trainer.state_dict().items()}))
+    (one_loss, one), (many_loss, many) = results
+    assert many_loss == pytest.approx(one_loss, rel=1e-5, abs=1e-7)
+    assert max((one[k] - many[k]).abs().max() for k in one) < 1e-6 * max(one[k].abs().max() for k in one)
+    assert max(one[k].abs().max() for k in one) > 1e-4  # the step moved the weights
 
 
 def test_reset_reference(tok, lm):
