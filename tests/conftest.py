@@ -6,6 +6,7 @@ are made locally), and no test or process it starts may hang the suite.
     python -m pytest -n 0 tests/X.py     # one file in this process (pdb, prints), at the threads you set
 """
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -304,6 +305,17 @@ def spawn(func, world: int, *args, timeout: float = 300) -> None:
 LONGEST_FIRST = ["test_bench", "test_overlap", "test_experiments", "test_engine_gap", "test_moe", "test_gpu_check",
                  "test_train", "test_bf16", "test_run_files", "test_vllm", "test_distributed", "test_guide", "test_golden",
                  "test_reward", "test_plan", "test_placement", "test_resume"]
+
+
+def undocumented_metrics(records: list[dict]) -> list[str]:
+    """The keys of metrics.jsonl records that docs/outputs.md's table of keys does not list (its first column's
+    `code` spans; NAME stands for any one name)."""
+    text = open(os.path.join(ROOT, "docs", "outputs.md")).read()
+    section = text.split("## Every key of `metrics.jsonl`")[1].split("\n## ")[0]
+    listed = [k for line in section.splitlines() if line.startswith("| `")
+              for k in re.findall(r"`([^`]+)`", line.split(" | ")[0])]
+    patterns = [re.compile(re.escape(k).replace("NAME", "[^/]+") + "$") for k in listed]
+    return sorted({k for r in records for k in r if not any(p.match(k) for p in patterns)})
 
 
 # an in-process test (not marked slow) takes seconds: one that runs a minute hangs (a rollout that never ends,

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run
+from conftest import run, undocumented_metrics
 import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +59,9 @@ def train(out, *extra, script="train.py"):
                env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        recs = [json.loads(line) for line in f]
+    assert undocumented_metrics(recs) == []  # docs/outputs.md lists every key a run writes
+    return recs
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from routing import Routing, routing_mismatch
 import model as model_lib
 import tiny
 import ulorl
-from conftest import close_up_to_order, run, together
+from conftest import close_up_to_order, run, together, undocumented_metrics
 from engine import HFEngine, Sampling, vllm_routing
 from naive import PROMPTS, ids, make_row
 from segment_rollout import Pools, rollout_step
@@ -241,7 +241,9 @@ def test_a_run_with_replay_resumes_bit_for_bit(tmp_path):
                    env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         with open(out / "metrics.jsonl") as f:
-            return [json.loads(line) for line in f]
+            recs = [json.loads(line) for line in f]
+        assert undocumented_metrics(recs) == []  # docs/outputs.md lists every key a run writes
+        return recs
 
     straight, _ = together(lambda: train(tmp_path / "straight", "--steps", "4"),  # independent: together
                            lambda: train(tmp_path / "resumed", "--steps", "2"))

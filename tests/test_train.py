@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import hub_cache, run, run_many
+from conftest import hub_cache, run, run_many, undocumented_metrics
 import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,6 +57,7 @@ def test_metrics_contract(short_run):
     out, p = short_run
     recs = records(out / "metrics.jsonl")
     assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    assert undocumented_metrics(recs) == []  # docs/outputs.md lists every key a run writes
     assert 0 <= recs[0]["eval/accuracy"] <= 1 and "config" in recs[0]  # before any update
     for r in recs[1:]:
         for k in METRIC_KEYS:
