@@ -15,11 +15,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-import torch
-
-import data
-import verifiers
-import tiny
+# What --help shows is all here: this file loads no torch, transformers or project module until the flags are
+# parsed (each costs seconds), so `python train.py --help` and a wrong value answer at once
+TINY_CKPT = "tiny_ckpt"  # tiny.CKPT: the built-in task's warm start
+VERIFIER_NAMES = ("code", "ifeval", "math", "math_boxed", "tiny")  # verifiers.VERIFIERS but rg (--data rg:NAME)
 
 
 def is_local_path(name: str) -> bool:
@@ -27,10 +26,11 @@ def is_local_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or os.path.isdir(name)
 
 
-def flag(default, help, choices=None, ok=None):
+def flag(default, help, choices=None, ok=None, group=None):
     """A Config field: its --flag's default and help; `choices` (argparse's) or `ok`, a (test, what is allowed)
-    pair that parse_config checks before anything loads."""
-    return field(default=default, metadata={"help": help, "choices": choices, "ok": ok})
+    pair that parse_config checks before anything loads. `group`: the heading in --help of the flags from this
+    one on (the algorithm's first, the systems' last)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "ok": ok, "group": group})
 
 
 def at_least(lo):
@@ -51,11 +51,10 @@ def boolean(text: str) -> bool:
 
 @dataclass
 class Config:
-    # run
     preset: str = flag("tiny", "tiny (the built-in task), ulorl or prorl: the papers' training settings. Unset: "
                                "ulorl for a hub model name (--model Qwen/Qwen3-30B-A3B), tiny for a local directory",
-                       choices=["tiny", "ulorl", "prorl"])
-    model: str = flag(tiny.CKPT, "hub name or local HF directory of the policy")
+                       choices=["tiny", "ulorl", "prorl"], group="run")
+    model: str = flag(TINY_CKPT, "hub name or local HF directory of the policy")
     data: str = flag("tiny", "training prompts: 'tiny', a .jsonl/.json/.parquet file, a saved dataset, a hub name, "
                              "rg:NAME[:SIZE] (Reasoning Gym), or a mixture 'a.jsonl@0.7,rg:chain_sum@0.3'")
     eval_data: str = flag("tiny", "held-out prompts for --eval-every (same formats as --data); '' = none")
@@ -68,9 +67,121 @@ class Config:
     overwrite: bool = flag(False, "start a new run in an --out that holds one: its metrics.jsonl, samples.jsonl and "
                                   "step_NNNNNN/ checkpoints are deleted first")
     seed: int = flag(0, "seed for data order, sampling and init")
+    group_size: int = flag(8, "G responses per prompt (UloRL 8, ProRL 16)",
+                           ok=(lambda v: v >= 2, "must be >= 2: GRPO's advantage compares the samples of one "
+                                                 "prompt, and a lone sample has nothing to compare with"),
+                           group="rollout (UloRL 3.1)")
+    prompts_per_step: int = flag(16, "rollout batch in prompts: unfinished samples + new groups fill "
+                                     "prompts_per_step x G slots (UloRL 128, ProRL 256)",
+                                 ok=at_least(1))
+    segments: int = flag(4, "segments per response: each step decodes at most max_response_len / segments "
+                            "new tokens per sample (UloRL 8 x 16k)",
+                         ok=at_least(1))
+    max_response_len: int = flag(64, "global cap on response tokens; reaching it truncates (UloRL 128k)",
+                                 ok=at_least(1))
+    max_prompt_len: int = flag(64, "longer prompts are skipped (and counted)",
+                               ok=at_least(1))
+    temperature: float = flag(1.0, "sampling temperature (UloRL 0.85, ProRL 1.2)",
+                              ok=(lambda v: v > 0, "must be > 0 (logits are divided by it)"))
+    top_p: float = flag(1.0, "nucleus sampling: 1 in training (both papers): the trainer's log-probs are of the "
+                             "full distribution; eval.py --top-p samples held-out problems with it",
+                        ok=UNIT)
+    top_k: int = flag(-1, "top-k: -1 (off) in training (both papers), for the same reason; eval.py --top-k",
+                      ok=(lambda v: v >= -1, "must be -1 (off) or a number of tokens"))
+    eps_low: float = flag(0.2, "lower clip range: ratio >= 1 - eps_low (both papers 0.2)",
+                          ok=(lambda v: 0 <= v < 1, "must be in [0, 1)"),
+                          group="loss (GRPO + DAPO's token-level loss; UloRL 3.1-3.2; ProRL)")
+    eps_high: float = flag(0.2, "upper clip range: ratio <= 1 + eps_high (UloRL 0.2, ProRL 0.4)",
+                           ok=at_least(0))
+    agg: str = flag("token", "token: DAPO's token-level mean; sample: GRPO's per-response mean",
+                    choices=["token", "sample"])
+    is_mode: str = flag("pois", "pi_old under segment rollout (UloRL 3.1): pois (the current weights for every "
+                                "token), sais (each segment's own policy), tois (one segment only; every "
+                                "trained token from the weights being updated: surplus groups are dropped)",
+                        choices=["pois", "sais", "tois"])
+    mpt: str = flag("dynamic", "masking of well-mastered positive tokens: dynamic (DMMPTs), static, off",
+                    choices=["dynamic", "static", "off"])
+    mpt_tau: float = flag(0.99, "probability at which a positive sample's token counts as mastered (UloRL)",
+                          ok=UNIT)
+    mpt_sigma: float = flag(0.2, "target entropy: mask MPTs only while a sample's mean entropy is below it (UloRL)",
+                            ok=POSITIVE)
+    tis_cap: float = flag(0.0, "truncated importance sampling: weight each token's loss by min(pi_old / "
+                                "pi_behaviour, cap); corrects the engine/trainer mismatch on tokens the current "
+                                "weights sampled and, under pois, also the version gap of older segments; 0 = off",
+                          ok=at_least(0))
+    clip_ratio_c: float = flag(3.0, "dual clip: a negative advantage's per-token loss is at most -A x c however "
+                                    "large the ratio (verl's 3, which both papers trained with); 0 = off",
+                               ok=(lambda v: v == 0 or v > 1, "must be 0 (off) or > 1"))
+    dynamic_sampling: bool = flag(True, "drop groups whose rewards are all equal (DAPO, both papers)")
+    kl_coef: float = flag(0.0, "k3 KL penalty to a reference policy (UloRL 0, ProRL 1e-4)",
+                          ok=at_least(0))
+    ref_reset_every: int = flag(0, "every N steps reset the reference to the policy AND the optimizer "
+                                   "state (ProRL); 0 = never",
+                                ok=at_least(0))
+    ref_reset_on_stall: int = flag(0, "also reset them when held-out accuracy has not improved in K evaluations "
+                                      "in a row (ProRL's other trigger); 0 = never",
+                                   ok=at_least(0))
+    train_groups: int = flag(16, "train once this many informative complete groups are ready",
+                             ok=at_least(1), group="batch and optimizer")
+    mini_batch: int = flag(0, "samples per optimizer step; 0 = the whole batch, one update per step "
+                              "(UloRL 1024 = 128 x 8; ProRL 64 prompts x 16)",
+                           ok=at_least(0))
+    lr: float = flag(3e-4, "AdamW learning rate after warm-up (UloRL 1e-6, ProRL 2e-6)",
+                     ok=POSITIVE)
+    warmup_steps: int = flag(0, "linear learning-rate warm-up, in optimizer steps",
+                             ok=at_least(0))
+    lr_final: float = flag(0.1, "the learning rate of the last update as a fraction of --lr; 1 = constant (both "
+                                "papers). The tiny default anneals: at a constant 3e-4 its last steps swing "
+                                "held-out accuracy by several points",
+                           ok=UNIT)
+    lr_decay_steps: int = flag(50, "the last N steps anneal the learning rate from --lr to --lr-final x --lr by a "
+                                   "cosine (warmup-stable-decay); 0 = every step after warm-up",
+                               ok=at_least(0))
+    weight_decay: float = flag(0.0, "AdamW weight decay",
+                               ok=at_least(0))
+    grad_clip: float = flag(1.0, "max gradient norm",
+                            ok=POSITIVE)
+    overlong: str = flag("zero", "truncated samples: zero (UloRL), soft (DAPO punishment), filter (no loss), none",
+                         choices=["zero", "soft", "filter", "none"],
+                         group="reward (UloRL 3.3; ProRL's verifiable domains)")
+    overlong_buffer: int = flag(0, "soft punishment ramps over the last N tokens before the cap",
+                                ok=at_least(0))
+    reward_batch_timeout: float = flag(600.0, "seconds a rollout round's reward checks may take in all (hanging checks "
+                                              "queue behind each other, --reward-timeout each): what is left then "
+                                              "scores 0 and counts as a timeout; 0 = no bound",
+                                       ok=at_least(0))
+    reward_timeout: float = flag(5.0, "seconds per reward check; a check that takes longer scores 0",
+                                 ok=POSITIVE)
+    default_verifier: str = flag("math", "verifier of file rows without a 'verifier' field: math (last \\boxed{}, "
+                                         "else the last number), math_boxed (\\boxed{} only), code, ifeval, tiny "
+                                         "(rg rows come only from --data rg:NAME)",
+                                 choices=VERIFIER_NAMES)
+    verifier_model: str = flag("", "generative verifier (UloRL 3.3): hub name or local HF directory of the judge "
+                                   "model for math rows; '' = rule-based only")
+    verifier_mode: str = flag("second_opinion", "with --verifier-model: second_opinion (ask the judge when the "
+                                                "rule-based check says 0), alone (the judge decides), off",
+                              choices=["second_opinion", "alone", "off"])
+    verifier_max_tokens: int = flag(64, "tokens the judge may write before its yes/no (thinking models need more)",
+                                    ok=at_least(1))
+    eval_every: int = flag(25, "evaluate on --eval-data every N steps, before step 1 and after the last; 0 = never",
+                           ok=at_least(0), group="evaluation, logging, checkpoints")
+    eval_n: int = flag(512, "held-out prompts per evaluation (one sample each)",
+                       ok=at_least(1))
+    save_every: int = flag(0, "checkpoint every N steps (0: only at the end, or on SIGTERM / Ctrl-C)",
+                           ok=at_least(0))
+    keep_last: int = flag(3, "keep the newest N checkpoints (0: all)",
+                          ok=at_least(0))
+    max_bad_steps: int = flag(3, "stop after this many updates in a row skipped for a NaN/inf loss or gradient",
+                              ok=at_least(1))
+    report_to: str = flag("none", "also send every metrics.jsonl record to tensorboard (event files in --out/tb), "
+                                  "wandb (offline unless WANDB_MODE=online), or both: 'tensorboard,wandb'",
+                          ok=(lambda v: set(v.split(",")) <= {"none", "tensorboard", "wandb"},
+                              "must be none, tensorboard, wandb or 'tensorboard,wandb'"))
+    dump_samples: int = flag(256, "samples.jsonl records per step (0: none)",
+                             ok=at_least(0))
     threads: int = flag(0, "CPU threads of torch; 0 = the cores idle when the run starts (on a small machine a busy "
                            "neighbour slows a thread pool that counts on every core 2-20x); OMP_NUM_THREADS wins",
-                        ok=at_least(0))
+                        ok=at_least(0), group="systems: devices, parallelism, memory, long contexts")
     engine: str = flag("auto", "rollout engine: hf (transformers), vllm, or auto (vLLM when installed and on GPU; "
                                "else hf)",
                        choices=["auto", "hf", "vllm"])
@@ -111,39 +222,6 @@ class Config:
                                    "GPUs of its own, sharing the trainer's GPU what the memory plan leaves), on CPU "
                                    "GiB of KV cache (0 = 0.25)",
                               ok=at_least(0))
-    rope_scaling_factor: float = flag(0.0, "YaRN rope scaling factor for trainer and engine alike; 0 = off "
-                                             "(UloRL 1.5; a model saved with YaRN in its config needs none)",
-                                      ok=(lambda v: v == 0 or v >= 1, "must be 0 (off) or >= 1"))
-    rope_original_max_positions: int = flag(0, "YaRN original_max_position_embeddings; the model then takes "
-                                               "factor x this positions (UloRL 95232 -> 142848); 0 = the config's",
-                                            ok=at_least(0))
-    # rollout (UloRL 3.1)
-    group_size: int = flag(8, "G responses per prompt (UloRL 8, ProRL 16)",
-                           ok=(lambda v: v >= 2, "must be >= 2: GRPO's advantage compares the samples of one "
-                                                 "prompt, and a lone sample has nothing to compare with"))
-    prompts_per_step: int = flag(16, "rollout batch in prompts: unfinished samples + new groups fill "
-                                     "prompts_per_step x G slots (UloRL 128, ProRL 256)",
-                                 ok=at_least(1))
-    segments: int = flag(4, "segments per response: each step decodes at most max_response_len / segments "
-                            "new tokens per sample (UloRL 8 x 16k)",
-                         ok=at_least(1))
-    max_response_len: int = flag(64, "global cap on response tokens; reaching it truncates (UloRL 128k)",
-                                 ok=at_least(1))
-    max_prompt_len: int = flag(64, "longer prompts are skipped (and counted)",
-                               ok=at_least(1))
-    temperature: float = flag(1.0, "sampling temperature (UloRL 0.85, ProRL 1.2)",
-                              ok=(lambda v: v > 0, "must be > 0 (logits are divided by it)"))
-    top_p: float = flag(1.0, "nucleus sampling: 1 in training (both papers): the trainer's log-probs are of the "
-                             "full distribution; eval.py --top-p samples held-out problems with it",
-                        ok=UNIT)
-    top_k: int = flag(-1, "top-k: -1 (off) in training (both papers), for the same reason; eval.py --top-k",
-                      ok=(lambda v: v >= -1, "must be -1 (off) or a number of tokens"))
-    # batch and optimizer
-    train_groups: int = flag(16, "train once this many informative complete groups are ready",
-                             ok=at_least(1))
-    mini_batch: int = flag(0, "samples per optimizer step; 0 = the whole batch, one update per step "
-                              "(UloRL 1024 = 128 x 8; ProRL 64 prompts x 16)",
-                           ok=at_least(0))
     max_tokens_per_micro_batch: int = flag(4096, "tokens per forward/backward micro-batch: one packed row, "
                                                  "or rows x longest with --pack false; a longer sample goes alone",
                                            ok=at_least(1))
@@ -159,43 +237,21 @@ class Config:
                                               "flash_attention_3", "flex_attention"])
     gradient_checkpointing: bool = flag(False, "recompute each decoder layer in the backward: less activation "
                                                "memory for long sequences, ~1/3 more compute")
-    lr: float = flag(3e-4, "AdamW learning rate after warm-up (UloRL 1e-6, ProRL 2e-6)",
-                     ok=POSITIVE)
-    warmup_steps: int = flag(0, "linear learning-rate warm-up, in optimizer steps",
-                             ok=at_least(0))
-    lr_final: float = flag(0.1, "the learning rate of the last update as a fraction of --lr; 1 = constant (both "
-                                "papers). The tiny default anneals: at a constant 3e-4 its last steps swing "
-                                "held-out accuracy by several points",
-                           ok=UNIT)
-    lr_decay_steps: int = flag(50, "the last N steps anneal the learning rate from --lr to --lr-final x --lr by a "
-                                   "cosine (warmup-stable-decay); 0 = every step after warm-up",
-                               ok=at_least(0))
-    weight_decay: float = flag(0.0, "AdamW weight decay",
-                               ok=at_least(0))
-    grad_clip: float = flag(1.0, "max gradient norm",
-                            ok=POSITIVE)
-    # loss (GRPO + DAPO's token-level loss; UloRL 3.1-3.2; ProRL)
-    eps_low: float = flag(0.2, "lower clip range: ratio >= 1 - eps_low (both papers 0.2)",
-                          ok=(lambda v: 0 <= v < 1, "must be in [0, 1)"))
-    eps_high: float = flag(0.2, "upper clip range: ratio <= 1 + eps_high (UloRL 0.2, ProRL 0.4)",
-                           ok=at_least(0))
-    agg: str = flag("token", "token: DAPO's token-level mean; sample: GRPO's per-response mean",
-                    choices=["token", "sample"])
-    is_mode: str = flag("pois", "pi_old under segment rollout (UloRL 3.1): pois (the current weights for every "
-                                "token), sais (each segment's own policy), tois (one segment only; every "
-                                "trained token from the weights being updated: surplus groups are dropped)",
-                        choices=["pois", "sais", "tois"])
-    mpt: str = flag("dynamic", "masking of well-mastered positive tokens: dynamic (DMMPTs), static, off",
-                    choices=["dynamic", "static", "off"])
-    mpt_tau: float = flag(0.99, "probability at which a positive sample's token counts as mastered (UloRL)",
-                          ok=UNIT)
-    mpt_sigma: float = flag(0.2, "target entropy: mask MPTs only while a sample's mean entropy is below it (UloRL)",
-                            ok=POSITIVE)
+    rope_scaling_factor: float = flag(0.0, "YaRN rope scaling factor for trainer and engine alike; 0 = off "
+                                             "(UloRL 1.5; a model saved with YaRN in its config needs none)",
+                                      ok=(lambda v: v == 0 or v >= 1, "must be 0 (off) or >= 1"))
+    rope_original_max_positions: int = flag(0, "YaRN original_max_position_embeddings; the model then takes "
+                                               "factor x this positions (UloRL 95232 -> 142848); 0 = the config's",
+                                            ok=at_least(0))
+    plan: bool = flag(False, "print the memory plan (per trainer rank, per engine GPU, from config.json alone) and exit")
+    device_memory: float = flag(0.0, "memory of one device in decimal GB, as vendors state it (H200: 141, H100: 80), "
+                                     "for the plan and its checks; 0 = what torch reports (the RAM on CPU)",
+                                ok=at_least(0))
     max_engine_kl: float = flag(0.1, "the mean per-token KL between the engine's and the trainer's log-probs on tokens "
                                      "the current weights sampled (rollout/engine_kl) past which the engine is taken "
                                      "to be wrong; 0 = never (bf16 noise: ~3e-5 on the tiny model, ~1e-3 reported on "
                                      "8-30B models)",
-                                ok=at_least(0))
+                                ok=at_least(0), group="systems: the engine against the trainer, overlap, MoE routing")
     engine_kl_jump: float = flag(10.0, "also stop when rollout/engine_kl passes this many times the median of the "
                                        "last 10 steps (at least 5e-5, bf16 noise's reach on a small model): an engine "
                                        "that stopped following the trainer (off by one update; at lr 1e-6 that is "
@@ -215,66 +271,6 @@ class Config:
                                         "(rollout routing replay); record: keep and compare them "
                                         "(rollout/routing_mismatch), never replay. vLLM: GPU only (its V2 model runner)",
                                choices=["false", "true", "record"])
-    tis_cap: float = flag(0.0, "truncated importance sampling: weight each token's loss by min(pi_old / "
-                                "pi_behaviour, cap); corrects the engine/trainer mismatch on tokens the current "
-                                "weights sampled and, under pois, also the version gap of older segments; 0 = off",
-                          ok=at_least(0))
-    clip_ratio_c: float = flag(3.0, "dual clip: a negative advantage's per-token loss is at most -A x c however "
-                                    "large the ratio (verl's 3, which both papers trained with); 0 = off",
-                               ok=(lambda v: v == 0 or v > 1, "must be 0 (off) or > 1"))
-    dynamic_sampling: bool = flag(True, "drop groups whose rewards are all equal (DAPO, both papers)")
-    kl_coef: float = flag(0.0, "k3 KL penalty to a reference policy (UloRL 0, ProRL 1e-4)",
-                          ok=at_least(0))
-    ref_reset_every: int = flag(0, "every N steps reset the reference to the policy AND the optimizer "
-                                   "state (ProRL); 0 = never",
-                                ok=at_least(0))
-    ref_reset_on_stall: int = flag(0, "also reset them when held-out accuracy has not improved in K evaluations "
-                                      "in a row (ProRL's other trigger); 0 = never",
-                                   ok=at_least(0))
-    # reward (UloRL 3.3; ProRL's verifiable domains)
-    overlong: str = flag("zero", "truncated samples: zero (UloRL), soft (DAPO punishment), filter (no loss), none",
-                         choices=["zero", "soft", "filter", "none"])
-    overlong_buffer: int = flag(0, "soft punishment ramps over the last N tokens before the cap",
-                                ok=at_least(0))
-    reward_batch_timeout: float = flag(600.0, "seconds a rollout round's reward checks may take in all (hanging checks "
-                                              "queue behind each other, --reward-timeout each): what is left then "
-                                              "scores 0 and counts as a timeout; 0 = no bound",
-                                       ok=at_least(0))
-    reward_timeout: float = flag(5.0, "seconds per reward check; a check that takes longer scores 0",
-                                 ok=POSITIVE)
-    default_verifier: str = flag("math", "verifier of file rows without a 'verifier' field: math (last \\boxed{}, "
-                                         "else the last number), math_boxed (\\boxed{} only), code, ifeval, tiny "
-                                         "(rg rows come only from --data rg:NAME)",
-                                 choices=sorted(set(verifiers.VERIFIERS) - {"rg"}))
-    verifier_model: str = flag("", "generative verifier (UloRL 3.3): hub name or local HF directory of the judge "
-                                   "model for math rows; '' = rule-based only")
-    verifier_mode: str = flag("second_opinion", "with --verifier-model: second_opinion (ask the judge when the "
-                                                "rule-based check says 0), alone (the judge decides), off",
-                              choices=["second_opinion", "alone", "off"])
-    verifier_max_tokens: int = flag(64, "tokens the judge may write before its yes/no (thinking models need more)",
-                                    ok=at_least(1))
-    # evaluation, logging, checkpoints
-    eval_every: int = flag(25, "evaluate on --eval-data every N steps, before step 1 and after the last; 0 = never",
-                           ok=at_least(0))
-    eval_n: int = flag(512, "held-out prompts per evaluation (one sample each)",
-                       ok=at_least(1))
-    save_every: int = flag(0, "checkpoint every N steps (0: only at the end, or on SIGTERM / Ctrl-C)",
-                           ok=at_least(0))
-    keep_last: int = flag(3, "keep the newest N checkpoints (0: all)",
-                          ok=at_least(0))
-    max_bad_steps: int = flag(3, "stop after this many updates in a row skipped for a NaN/inf loss or gradient",
-                              ok=at_least(1))
-    report_to: str = flag("none", "also send every metrics.jsonl record to tensorboard (event files in --out/tb), "
-                                  "wandb (offline unless WANDB_MODE=online), or both: 'tensorboard,wandb'",
-                          ok=(lambda v: set(v.split(",")) <= {"none", "tensorboard", "wandb"},
-                              "must be none, tensorboard, wandb or 'tensorboard,wandb'"))
-    plan: bool = flag(False, "print the memory plan (per trainer rank, per engine GPU, from config.json alone) and exit")
-    device_memory: float = flag(0.0, "memory of one device in decimal GB, as vendors state it (H200: 141, H100: 80), "
-                                     "for the plan and its checks; 0 = what torch reports (the RAM on CPU)",
-                                ok=at_least(0))
-    dump_samples: int = flag(256, "samples.jsonl records per step (0: none)",
-                             ok=at_least(0))
-
 
 PRESETS = {
     "tiny": {},
@@ -301,14 +297,17 @@ def parse_config(argv=None, description: str = __doc__) -> Config:
     before any model or data loads; a wrong one stops the run with a message naming the flag. `description`
     heads --help (train.py passes its own docstring)."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = p
     for f in dataclasses.fields(Config):
+        if f.metadata["group"]:
+            group = p.add_argument_group(f.metadata["group"])
         flag_kw = dict(type=boolean, nargs="?", const=True) if f.type is bool else dict(type=f.type)  # --pack = --pack true
-        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"],
-                       choices=f.metadata["choices"], **flag_kw)
+        group.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"],
+                           choices=f.metadata["choices"], **flag_kw)
     p.set_defaults(preset=None)
     args = p.parse_args(argv)
     # a hub model name without a preset is a real run: the project's namesake's settings, not the tiny task's
-    implied = args.preset is None and args.model != tiny.CKPT and not is_local_path(args.model)
+    implied = args.preset is None and args.model != TINY_CKPT and not is_local_path(args.model)
     args.preset = args.preset or ("ulorl" if implied else "tiny")
     p.set_defaults(**PRESETS[args.preset], preset=args.preset)  # preset values, then whatever the command line says
     cfg = Config(**vars(p.parse_args(argv)))
@@ -320,6 +319,7 @@ def parse_config(argv=None, description: str = __doc__) -> Config:
                 f"--data train.parquet --out runs/q30b\nor --preset prorl for ProRL's; --preset tiny keeps the tiny "
                 f"task's settings")
     if cfg.device == "auto":  # a GPU for each of this machine's trainer processes, or the CPU
+        import torch
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         cfg.device = "cuda" if gpus and gpus >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) else "cpu"
     if cfg.attn_implementation == "auto":  # FlashAttention's packed kernels where they run
@@ -342,6 +342,7 @@ def parse_config(argv=None, description: str = __doc__) -> Config:
 def data_problems(cfg: Config) -> list[str]:
     """What is wrong with --data and --eval-data before anything is read: a mixture that does not parse, a file
     that is not there."""
+    import data
     out = []
     for flag_name, spec in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
         if not spec:
@@ -361,6 +362,13 @@ def data_problems(cfg: Config) -> list[str]:
     return out
 
 
+def no_cuda() -> str:
+    """Why torch cannot use a CUDA GPU here ('' when it can). torch loads here, once a flag names CUDA."""
+    import torch
+    return "" if torch.cuda.is_available() else (f"this machine has no CUDA GPU that torch can use (torch "
+                                                  f"{torch.__version__}, torch.cuda.is_available() is False)")
+
+
 def config_problems(cfg: Config) -> list[str]:
     """What is wrong with a combination of flags (each value alone passed its own check)."""
     out = []
@@ -378,9 +386,8 @@ def config_problems(cfg: Config) -> list[str]:
                    f"every ratio, DMMPT probability and entropy. Use them for evaluation (eval.py --top-p/--top-k)")
     if not (cfg.device in ("cpu", "cuda") or cfg.device.startswith("cuda:")):
         out.append(f"--device {cfg.device}: must be auto, cpu, cuda or cuda:N")
-    elif cfg.device.startswith("cuda") and not torch.cuda.is_available() and not cfg.plan:  # planning needs no GPU
-        out.append(f"--device {cfg.device}: this machine has no CUDA GPU that torch can use "
-                   f"(torch {torch.__version__}, torch.cuda.is_available() is False); use --device cpu")
+    elif cfg.device.startswith("cuda") and not cfg.plan and (why := no_cuda()):  # planning needs no GPU
+        out.append(f"--device {cfg.device}: {why}; use --device cpu")
     if cfg.device.startswith("cuda") and cfg.rollout_mem > 1:
         out.append(f"--rollout-mem {cfg.rollout_mem}: on GPU it is the fraction of GPU memory vLLM may take, <= 1")
     if cfg.resume and cfg.overwrite:

@@ -9,7 +9,12 @@ Owns the run: loading, the RL loop in the papers' order (`main`, its steps numbe
 and the console line; placement.py decides where everything runs. Under torchrun every process is a trainer
 rank; rank 0 also owns the rollout engine, the pools, the data and the logs, and hands every rank the batch.
 """
-import contextlib
+from config import Config, parse_config
+
+# the command line first: --help and a wrong flag answer before torch and transformers load (seconds)
+FLAGS = parse_config(description=__doc__) if __name__ == "__main__" else None
+
+import contextlib  # noqa: E402 (the imports below wait for the flags)
 import dataclasses
 import functools
 import os
@@ -34,7 +39,6 @@ import plan as plan_lib
 import reward
 import sandbox
 import ulorl
-from config import Config, parse_config
 from engine import Sampling, SyncError
 from rollouts import EngineFailure, Rollouts
 from segment_rollout import Pools, Sample
@@ -357,7 +361,7 @@ def main(cfg: Config) -> None:
 def cli() -> None:
     """`python train.py`: main, with a user's mistake, a full disk or a broken weight sync said in one line."""
     try:
-        main(parse_config(description=__doc__))
+        main(FLAGS or parse_config(description=__doc__))
     except SyncError as e:  # the sync's threads may wait in a broadcast for good: exit without them
         print(f"error: {e}", file=sys.stderr, flush=True)
         reward.pool.close_pool()

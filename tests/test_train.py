@@ -53,6 +53,28 @@ def test_help_lists_contract_flags():
 
 
 @pytest.mark.slow
+def test_help_answers_before_torch_loads():
+    """config.py loads no torch, transformers or project module, so `--help` (and a value a flag's own check
+    refuses) answers at once; --help lists the algorithm's flags first, under their headings, and the systems' last."""
+    p = run([sys.executable, "-c", "import sys, config; print(sorted({'torch', 'transformers', 'data', 'tiny', "
+             "'verifiers'} & set(sys.modules)))"], cwd=ROOT, timeout=60, warm=False)
+    assert p.stdout.strip() == "[]", p.stdout + p.stderr
+    p = run_train("--help", timeout=60, warm=False)
+    headings = [line[:-1] for line in p.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert headings[1:4] == ["run", "rollout (UloRL 3.1)", "loss (GRPO + DAPO's token-level loss; UloRL 3.1-3.2; ProRL)"]
+    assert [h.split(":")[0] for h in headings[-2:]] == ["systems", "systems"]
+    assert p.stdout.index("--mpt-tau") < p.stdout.index("--parallel") < p.stdout.index("--routing-replay")
+
+
+def test_the_flags_defaults_name_what_their_modules_hold():
+    """config.py names the built-in warm start and the verifiers without loading tiny.py or verifiers.py."""
+    import tiny
+    import verifiers
+    assert config.TINY_CKPT == tiny.CKPT
+    assert config.VERIFIER_NAMES == tuple(sorted(set(verifiers.VERIFIERS) - {"rg"}))
+
+
+@pytest.mark.slow
 def test_metrics_contract(short_run):
     out, p = short_run
     recs = records(out / "metrics.jsonl")
