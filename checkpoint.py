@@ -33,7 +33,8 @@ import model as model_lib
 import outdir
 from outdir import Folder
 from segment_rollout import Pools, Sample
-from ulorl import Prefetched, RunState
+from rollouts import Prefetched
+from ulorl import RunState
 
 def local_shards(obj):
     """An optimizer state dict with each sharded (DTensor) value replaced by this rank's shard."""

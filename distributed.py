@@ -98,6 +98,71 @@ def grad_sync(policy, last: bool):
     return contextlib.nullcontext()
 
 
+class Ranks:
+    """What the update needs of the trainer ranks, as one object the trainer hands it (the algorithm's file imports
+    nothing of the systems): this rank's share of a batch, sums and maxima over ranks, what wraps a micro-batch's
+    backward (the gradient sync; a bf16 run's fp32 masters take the gradients), the gradient norm clip and what
+    follows an optimizer step. `Ranks()`: one process, every call the identity.
+    policy: the wrapped module (DDP's no_sync); masters: MasterWeights (a bf16 run outside FSDP), else None;
+    sp: --sp, groups of consecutive ranks that train the same share, each a slice of its rows."""
+
+    def __init__(self, policy=None, masters=None, sp: int = 1):
+        self.policy, self.masters, self.sp = policy, masters, sp
+        self.world = world()
+
+    @property
+    def data_world(self) -> int:
+        """How many shares a batch is split into: one per sequence-parallel group."""
+        return self.world // self.sp
+
+    @property
+    def data_rank(self) -> int:
+        return rank() // self.sp
+
+    @property
+    def counted(self) -> bool:
+        """Whether this rank's tokens count in sums over ranks (token counts, metrics): the first rank of its
+        sequence-parallel group; the others hold the same micro-batches and would count them again."""
+        return rank() % self.sp == 0
+
+    def share(self, lengths: list[int]) -> list[int]:
+        """The indices of this rank's share of a batch of sequences of these lengths (balanced by tokens; every
+        rank computes the same split)."""
+        return balance(lengths, self.data_world)[self.data_rank]
+
+    def most(self, n: int) -> int:
+        return int(all_max(n))
+
+    def sum(self, values: dict) -> dict:
+        return all_sum(values)
+
+    def max(self, value: float) -> float:
+        return all_max(value)
+
+    def all_true(self, flag: bool) -> bool:
+        return all_true(flag)
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool):
+        """Around one micro-batch's forward and backward (`last`: the optimizer step's last): the gradient sync,
+        then the fp32 masters add up the gradients (bf16 outside FSDP: in fp32, reduced after the last)."""
+        with grad_sync(self.policy, last and self.masters is None):
+            yield
+        if self.masters is not None:
+            self.masters.take_grads()
+
+    def clip_grads(self, params: list, max_norm: float) -> torch.Tensor:
+        """The gradients reduced (the masters'), clipped to `max_norm`; returns their norm before clipping."""
+        if self.masters is not None:
+            self.masters.reduce_grads()
+        return full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def after_step(self) -> None:
+        """After an optimizer step: the module gets the masters' new weights (bf16 outside FSDP)."""
+        if self.masters is not None:
+            self.masters.copy_to_model()
+
+
 # Trainer ranks are torchrun's processes; one process is rank 0 of 1. (vLLM in-process creates a default
 # group of world size 1 when none exists: these treat it as one process too.)
 def world() -> int:

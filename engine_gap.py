@@ -1,12 +1,14 @@
 """The engine/trainer gap check: a rollout engine that disagrees with the trainer about the tokens the very
-same weights sampled is stale (a weight sync that did not land) or wrong (weights, kernels). The update feeds
-a Gap each micro-batch's log-probs beside the engine's; `check` stops the run (or warns) before the update.
+same weights sampled is stale (a weight sync that did not land) or wrong (weights, kernels). The update's pass
+before the optimizer shows a `Watch` each micro-batch's log-probs beside the engine's (and, under
+--routing-replay, its routing); `check` stops the run (or warns) before the optimizer steps.
 """
 import sys
 
 import torch
 
 import distributed
+from routing import Mismatch
 
 GAP_BINS = (-12.0, 2.0, 280)  # log10 |trainer - engine log-prob| from 1e-12 to 100 nats, 20 bins a decade
 # The engine/trainer KL leaves out its GAP_OUTLIERS largest tokens: one bf16 MoE token 3.5 nats off adds
@@ -108,3 +110,36 @@ def check(kl: float, diff_max: float, cfg, recent: list) -> None:
         print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
 
+
+
+class Watch:
+    """What the trainer watches of the engine during one update, handed to it by the trainer (ulorl.update): the
+    pass with the weights of policy version `start(version)` shows it each micro-batch's forward (`around`: the
+    routing the engine chose against the trainer's router, --routing-replay) and log-probs (`add`: the gap on
+    the tokens these very weights sampled); `check` then stops a run whose engine is stale, and `metrics` reports
+    both. `recent`: RunState.engine_kl, the jump test's history."""
+
+    def __init__(self, cfg, recent: list):
+        self.cfg, self.recent = cfg, recent
+
+    def start(self, version: int) -> None:
+        self.version, self.gap, self.routes = version, Gap(), Mismatch(version)
+
+    def around(self, mb):
+        return self.routes.counting(mb)
+
+    def add(self, mb, logprobs: torch.Tensor) -> None:
+        sampled_now = mb.versions == self.version
+        self.gap.add(logprobs[sampled_now], mb.behaviour[sampled_now])
+
+    def check(self) -> None:
+        """Every rank's sums combined, then the check (every rank calls it)."""
+        self.gap.reduce()
+        if (kl := self.gap.kl()) is not None:
+            check(kl, self.gap.largest, self.cfg, self.recent)
+
+    def metrics(self) -> dict:
+        out = self.gap.metrics()
+        if self.cfg.routing_replay != "false":
+            out.update(self.routes.metrics())
+        return out

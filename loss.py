@@ -106,6 +106,10 @@ class Max(float):
     """A metric whose step value is its largest over micro-batches and ranks."""
 
 
+class Sum(float):
+    """A metric whose step value is its sum over micro-batches and ranks."""
+
+
 LOG_RATIO_CLAMP = 20.0  # log-ratios (and the KL's log-ratio) are clamped to +-20 before exp, as verl does: finite
 KL_CLAMP = 10.0  # ... and k3 to at most 10 (verl's low_var_kl)
 
@@ -153,21 +157,12 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(logprobs)
     per_token = torch.where(loss_mask, per_token + kl_coef * kl, 0)
 
-    if agg == "token":
-        total, n = per_token.sum(), loss_mask.sum()
-    elif agg == "sample":
-        tokens = loss_mask.sum(1)  # [B]
-        total, n = (per_token.sum(1) / tokens.clamp(min=1)).sum(), (tokens > 0).sum()
-    else:
-        raise ValueError(f"agg must be 'token' or 'sample', got {agg!r}")
-    n = n if denom is None else torch.as_tensor(denom, dtype=per_token.dtype)
-    loss = total / n.clamp(min=1)
+    loss = aggregate(per_token, loss_mask, agg, denom)
 
     with torch.no_grad():
         pg_tokens, loss_tokens = pg_mask.sum().item(), loss_mask.sum().item()
         adv_full = adv.expand_as(ratio)
         metrics = {
-            "loss/policy": Mean(loss.item(), 0),  # the whole loss, KL included (its count: ulorl.optimize's)
             "loss/kl": Mean(torch.where(loss_mask, kl, 0).sum().item(), loss_tokens),
             "clip/low_frac": Mean(((adv_full < 0) & (ratio < 1 - eps_low) & pg_mask).sum().item(), pg_tokens),
             "clip/high_frac": Mean(((adv_full > 0) & (ratio > 1 + eps_high) & pg_mask).sum().item(), pg_tokens),
@@ -177,3 +172,20 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             "ratio/max": Max(ratio[pg_mask].max().item() if pg_mask.any() else 1.0),
         }
     return loss, metrics
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token",
+              denom: float | torch.Tensor | None = None) -> torch.Tensor:
+    """A per-token quantity [B, T] (0 off `mask`) as a loss term, as policy_loss aggregates its own.
+    agg="token": its sum over `mask` tokens / their count; "sample": each sample's mean over its `mask` tokens,
+    summed over samples / the samples with any. denom: the count to divide by instead (the step's, over every
+    micro-batch and rank)."""
+    if agg == "token":
+        total, n = per_token.sum(), mask.sum()
+    elif agg == "sample":
+        tokens = mask.sum(1)  # [B]
+        total, n = (per_token.sum(1) / tokens.clamp(min=1)).sum(), (tokens > 0).sum()
+    else:
+        raise ValueError(f"agg must be 'token' or 'sample', got {agg!r}")
+    n = n if denom is None else torch.as_tensor(denom, dtype=per_token.dtype)
+    return total / n.clamp(min=1)

@@ -109,8 +109,8 @@ class MicroBatch:
     # (both in host memory, whatever `device` collate was given)
     # filled by the update
     adv: torch.Tensor | None = None  # [b]
-    old: torch.Tensor | None = None  # [b, T]: pi_old
-    ref: torch.Tensor | None = None  # [b, T]: the reference policy's log-probs (KL)
+    old_logprobs: torch.Tensor | None = None  # [b, T]: pi_old, what the importance ratio divides by
+    ref_logprobs: torch.Tensor | None = None  # [b, T]: the reference policy's log-probs (KL)
     loss_mask: torch.Tensor | None = None  # [b, T] bool: the tokens the loss averages over (its denominator)
     pg_mask: torch.Tensor | None = None  # [b, T] bool: the loss_mask tokens whose policy-gradient term trains
     empty: bool = False  # a stand-in that trains nothing (ranks with fewer micro-batches run these)

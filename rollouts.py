@@ -1,6 +1,7 @@
 """Steps 1-4 of an RL step, as one object: `Rollouts.next()` returns the step's batch, whether its rounds run now
 or ran during the last update (--overlap 1: `start_next` decodes the next step's rollout in a thread while the
-trainers update, on the weights before the update; `join` ends it before the weight sync).
+trainers update, on the weights before the update; `join` ends it before the weight sync). `hand_over` and
+`take_back` are what the loop calls around the update.
 
 A round (segment_rollout.rollout_step) decodes one segment of every unfinished and new sample; groups whose
 every member finished are rewarded (reward.score_samples) and, when informative, wait for the update (dynamic
@@ -17,12 +18,21 @@ import reward
 import ulorl
 from engine import Sampling
 from segment_rollout import Pools, Sample, rollout_step
-from ulorl import Prefetched, RunState
+from ulorl import RunState
 
 # The gap check's probe under --overlap: up to 1,024 tokens (a prompt a replica at least), a small share of a step's
 # decoding. At 256, over a real model's bf16 noise of ~1e-3 KL a token, one outlier token 1.7 nats off beyond the
 # two the KL leaves out made the mean 10x the median, and a healthy run stopped; now it adds a quarter of that.
 PROBE_PROMPTS, PROBE_TOKENS = 4, 256
+
+
+@dataclass
+class Prefetched:
+    """--overlap 1: the next step's rollout as far as it ran during the last update (its samples are in the pools
+    and `ready`): what that step continues from, and what a checkpoint keeps of it (RunState.prefetched)."""
+    record: dict  # the step's metrics.jsonl record so far
+    rewards: list  # (verifier, reward) of every sample rewarded in it
+    version: int  # the policy version whose weights decoded it
 
 
 class EngineFailure(RuntimeError):
@@ -137,7 +147,22 @@ class Rollouts:
                 raise EngineFailure(f"the rollout engine failed twice: {type(e2).__name__}: {e2}; resume from the "
                                     f"newest checkpoint in {cfg.out} with --resume auto") from e2
 
-    # ------------------------------------------------------------------------ --overlap 1
+    # ------------------------------------------------------------ the engine during the update; --overlap 1
+
+    def hand_over(self, batch: Batch, step: int) -> None:
+        """The trainers take `batch`: under --overlap the next step's rollout (the probe first) begins decoding
+        beside the update; otherwise the engine pauses (vLLM sharing the trainer's GPU sleeps meanwhile)."""
+        if self.cfg.overlap:
+            self.start_next(batch, step)
+        self.engine.pause()
+
+    def take_back(self) -> dict:
+        """After the update, before the weight sync: the rollout decoding ahead ends (join) and the engine
+        resumes. Returns the step's record entries for it (the trainer's wait, under --overlap)."""
+        out = {"time/engine_wait_s": self.join()} if self.cfg.overlap else {}
+        self.engine.resume()
+        return out
+
 
     def start_next(self, batch: Batch, step: int) -> None:
         """--overlap 1: the next step's whole rollout begins now in a thread, decoded by the current weights while

@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism (--sp) and the packed-attention kernels the trainer's module attends with.
-model.response_logprobs reaches it through sequence_slice and the registered kernel names; the update through
-counts / data_rank / data_world.
+model.response_logprobs reaches it through sequence_slice and the registered kernel names; the update's split of
+the batch over groups is distributed.Ranks's (consecutive ranks form a group).
 """
 import functools
 
@@ -43,21 +43,6 @@ def init_sequence_parallel(size: int) -> None:
 
 def sp_size() -> int:
     return dist.get_world_size(_sp_group) if _sp_group is not None else 1
-
-
-def data_rank() -> int:
-    """Which share of the batch this rank trains: ranks of one sequence-parallel group share one."""
-    return distributed.rank() // sp_size()
-
-
-def data_world() -> int:
-    return distributed.world() // sp_size()
-
-
-def counts() -> bool:
-    """Whether this rank's tokens count in sums over ranks (token counts, metrics): the first rank of its
-    sequence-parallel group; the others hold the same micro-batches and would count them again."""
-    return _sp_group is None or dist.get_rank(_sp_group) == 0
 
 
 def sequence_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:

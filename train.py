@@ -32,6 +32,8 @@ import data
 import eval as eval_lib
 import logs
 import distributed
+import seqpar
+from engine_gap import Watch
 from routing import Routing
 import model as model_lib
 import placement
@@ -190,6 +192,7 @@ class Run:
     ref_lm: torch.nn.Module | None
     tokenizer: object
     masters: object  # distributed.MasterWeights: the fp32 weights AdamW steps in a bf16 run outside FSDP (else None)
+    ranks: distributed.Ranks  # what the update needs of the trainer ranks (ulorl.update)
     opt: torch.optim.Optimizer
     sched: object
     state: RunState
@@ -236,7 +239,8 @@ def set_up(cfg: Config) -> Run | None:
                             weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(ulorl.lr_factor, cfg=cfg))
     state = RunState(run_id=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    run = Run(cfg, world, lead, threads, policy, ref, lm, ref_lm, tokenizer, masters, opt, sched, state, host_before,
+    ranks = distributed.Ranks(policy, masters, seqpar.sp_size())
+    run = Run(cfg, world, lead, threads, policy, ref, lm, ref_lm, tokenizer, masters, ranks, opt, sched, state, host_before,
               eval_rows=eval_rows, out_lock=out_lock, startup=startup_metrics(load_peak, plan))
     pools = Pools()
     if lead:
@@ -310,8 +314,8 @@ def main(cfg: Config) -> None:
         # 1-4. rollout: segments of unfinished and new samples, rewards, dynamic sampling, until enough groups
         batch = next_batch(run) if lead else None
         t_roll = time.time() - t0
-        if lead and cfg.overlap:  # the next step's rollout (the probe first) decodes during this update
-            rollouts.start_next(batch, step)
+        if lead:  # the engine pauses, or (--overlap) decodes the next step's rollout during this update
+            rollouts.hand_over(batch, step)
         groups, probing, stop_now = distributed.broadcast((batch.groups, batch.probing, stop[0] if stop else "")
                                                         if lead else None)
         record = batch.record if lead else {}  # the step's metrics.jsonl record: the rollout's counts first
@@ -319,10 +323,8 @@ def main(cfg: Config) -> None:
         probe = (lambda: distributed.broadcast(rollouts.probe() if lead else None)) if probing else None
 
         # 5-6. pi_old, reference log-probs and DMMPT mask, the clipped loss, the optimizer (each rank its share)
-        if lead:
-            engine.pause()  # vLLM sharing the trainer's GPU sleeps meanwhile
         record.update(ulorl.update(run.policy, run.ref, run.opt, run.sched, groups, state.version,
-                                   run.tokenizer.pad_token_id, cfg, run.masters, state.engine_kl, probe))
+                                   run.tokenizer.pad_token_id, cfg, run.ranks, Watch(cfg, state.engine_kl), probe))
         record.update(placement.memory_peaks(cfg, run.host_before))
         ulorl.after_update(record, state, cfg, warn=lead)  # the policy version advances if the weights changed
         if cfg.ref_reset_every and step % cfg.ref_reset_every == 0:
@@ -330,11 +332,10 @@ def main(cfg: Config) -> None:
             record["train/ref_reset"] = 1
 
         # 7. the new weights reach the engine (after the rollout decoding ahead ended); unfinished samples continue
+        if lead:  # the rollout decoding ahead ends (--overlap), the engine resumes
+            record.update(rollouts.take_back())
         if cfg.overlap:  # the other ranks wait for it here, with no timeout: in the sync's gathers NCCL's watchdog
-            record["time/engine_wait_s"] = rollouts.join() if lead else 0.0  # would end the run (--dist-timeout)
-            distributed.barrier()
-        if lead:
-            engine.resume()
+            distributed.barrier()  # would end the run (--dist-timeout)
         if record["train/optimizer_steps"]:
             t_sync = time.time()
             sync_weights(engine, run.lm, cfg.dtype, cfg.rollout_replicas or 1)

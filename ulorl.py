@@ -9,7 +9,7 @@ Where each part of the papers lives (every paper number is a flag default or a p
     3.1 segment rollout, Algorithm 1 ...... segment_rollout.rollout_step, Pools; rollouts.Rollouts;
                                             --segments (8), --max-response-len (131072)
     3.1 speed 1240 s -> 601 s (4 segs) ..... bench/segments.py
-    3.1 TOIS / SAIS / POIS ................ loss.old_logprobs, used in prepare() below; --is-mode (pois)
+    3.1 TOIS / SAIS / POIS ................ loss.old_logprobs, used in old_ref_and_masks() below; --is-mode (pois)
     3.2 DMMPTs (tau 0.99, sigma 0.2) ...... loss.mpt_mask, token_masks() below; --mpt, --mpt-tau, --mpt-sigma
     3.2 Eq. 10: masked tokens stay in the denominator ... optimize() below, loss.policy_loss(pg_mask=...)
     3.3 {0,1} reward, truncated = 0 ....... reward.score_samples, reward.overlong_reward; --overlong (zero)
@@ -46,28 +46,16 @@ Simplifications of the papers, all of them:
     problems solved k of k, majority disagreement); UloRL's rewriting of multiple-choice and proof questions
     into short-answer ones is not automated.
 """
+import contextlib
 import math
 import sys
 from dataclasses import dataclass, field
 
 import torch
 
-import distributed
-import engine_gap
-import seqpar
 import model as model_lib
-from loss import Max, Mean, group_advantages, mpt_mask, old_logprobs, policy_loss
+from loss import Max, Mean, Sum, group_advantages, mpt_mask, old_logprobs, policy_loss
 from model import MicroBatch
-from routing import Mismatch
-
-
-@dataclass
-class Prefetched:
-    """--overlap 1: the next step's rollout as far as it ran during the last update (its samples are in the pools
-    and `ready`): what that step continues from, and what a checkpoint keeps of it."""
-    record: dict  # the step's metrics.jsonl record so far
-    rewards: list  # (verifier, reward) of every sample rewarded in it
-    version: int  # the policy version whose weights decoded it
 
 
 @dataclass
@@ -82,7 +70,7 @@ class RunState:
     best_eval: float | None = None  # the best held-out accuracy so far (--ref-reset-on-stall)
     evals_since_best: int = 0  # evaluations since it last improved, or since the last reset
     engine_kl: list = field(default_factory=list)  # the last steps' rollout/engine_kl (engine_gap.check)
-    prefetched: Prefetched | None = None  # --overlap: the next step's rollout, decoded during the last update
+    prefetched: object = None  # --overlap: the next step's rollout, decoded during the last update (rollouts.Prefetched)
 
 
 def dynamic_sampling(groups: list[list], enabled: bool) -> tuple[list[list], int]:
@@ -146,18 +134,16 @@ def staleness(samples: list, version: int) -> dict:
             "staleness/last_segment_mean": sum(last) / max(len(last), 1), "staleness/last_segment_max": max(last, default=0)}
 
 
-def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg) -> list[list[MicroBatch]]:
+def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg, ranks) -> list[list[MicroBatch]]:
     """Mini-batches are optimizer steps (whole groups, in order); micro-batches are forward/backward calls.
-    Under torchrun each rank takes a share of every mini-batch (balanced by tokens; under --sp the ranks of a
-    sequence-parallel group take the same share, each a slice of its rows); a rank with fewer micro-batches
-    than another runs empty stand-ins, so that every rank's collectives line up."""
+    `ranks` (distributed.Ranks): each trainer rank takes its share of every mini-batch, and a rank with fewer
+    micro-batches than another runs empty stand-ins (a real sample's shapes, nothing kept), so that every
+    rank's collectives line up."""
     per_mini = len(samples) if cfg.mini_batch <= 0 else cfg.mini_batch
     minis = []
     for lo in range(0, len(samples), per_mini):
         idx = list(range(lo, min(lo + per_mini, len(samples))))
-        mine = distributed.balance([len(samples[i].prompt_ids) + len(samples[i].tokens) for i in idx],
-                                   seqpar.data_world())[seqpar.data_rank()]
-        mine = [idx[j] for j in mine]
+        mine = [idx[j] for j in ranks.share([len(samples[i].prompt_ids) + len(samples[i].tokens) for i in idx])]
         mbs = [[mine[j] for j in mb] for mb in model_lib.micro_batches([samples[i] for i in mine],
                                                                          cfg.max_tokens_per_micro_batch, cfg.pack)]
         collated = []
@@ -165,7 +151,7 @@ def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg) -> li
             mb = model_lib.collate([samples[i] for i in mb_idx], pad_id, cfg.device, cfg.pack)
             mb.adv = adv[mb_idx].to(cfg.device)
             collated.append(mb)
-        for _ in range(int(distributed.all_max(len(mbs))) - len(mbs)):  # a real sample's shapes, nothing kept
+        for _ in range(ranks.most(len(mbs)) - len(mbs)):
             mb = model_lib.collate([samples[0]], pad_id, cfg.device, cfg.pack)
             mb.adv, mb.empty = torch.zeros(1, device=cfg.device), True
             collated.append(mb)
@@ -173,76 +159,81 @@ def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg) -> li
     return minis
 
 
-@torch.no_grad()
-def prepare(policy, ref, minis: list[list[MicroBatch]], version: int, cfg, gap: engine_gap.Gap,
-            routes: Mismatch) -> dict:
-    """Step 5, one pass with the weights about to be updated (policy version `version`): pi_old
-    (loss.old_logprobs), the reference's log-probs for the KL, entropy and the token masks. `gap` gets the
-    trainer's log-probs beside the engine's on the tokens these very weights sampled, `routes` their routing.
-    Returns sums for the metrics."""
-    stats = {"entropy": 0.0, "tokens": 0, "loss_tokens": 0, "pg_tokens": 0}
-    for mbs in minis:
-        for mb in mbs:
-            with routes.counting(mb):  # --routing-replay: the engine's routing against the trainer's router
-                cur, entropy = policy(mb, cfg.temperature)
-            mb.old = old_logprobs(cfg.is_mode, cur, mb.behaviour, mb.versions, version)
-            if ref is not None:
-                mb.ref = ref(mb, cfg.temperature)[0]
-            mb.loss_mask, mb.pg_mask = token_masks(mb, cur, entropy, cfg)
-            if mb.empty or not seqpar.counts():  # (a sequence-parallel group's other ranks: counted once)
-                continue
-            stats["entropy"] += entropy[mb.resp_mask].sum().item()
-            stats["tokens"] += int(mb.resp_mask.sum())
-            stats["loss_tokens"] += int(mb.loss_mask.sum())
-            stats["pg_tokens"] += int(mb.pg_mask.sum())
-            sampled_now = mb.versions == version
-            gap.add(cur[sampled_now], mb.behaviour[sampled_now])
-    return stats
-
-
-def micro_batch_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, denom: int,
-                     cfg) -> tuple[torch.Tensor, dict]:
-    """Step 6 on one micro-batch, in tensors [b, T]: the clipped loss of the trainer's `logprobs` against pi_old
-    (mb.old), with the DMMPT mask (mb.pg_mask) and the KL to the reference, over the step's token count `denom`
-    (UloRL Eq. 10). `entropy` is differentiable: an entropy bonus is
-    `loss - coef * torch.where(mb.loss_mask, entropy, 0).sum() / denom`. Metrics are loss.Mean (a total and what
-    it averages over) or loss.Max; a new one lands in metrics.jsonl as the mean over the step."""
-    loss, metrics = policy_loss(logprobs, mb.old, mb.adv, mb.loss_mask, pg_mask=mb.pg_mask, eps_low=cfg.eps_low,
-                                eps_high=cfg.eps_high, clip_ratio_c=cfg.clip_ratio_c, ref_logprobs=mb.ref,
-                                kl_coef=cfg.kl_coef, agg=cfg.agg, denom=denom, tis_cap=cfg.tis_cap or None,
-                                behaviour_logprobs=mb.behaviour)
-    return loss, metrics
-
-
 class Tally:
-    """The step's metrics over micro-batches and ranks: Mean totals and counts add up, Max values take the
-    largest. Every rank adds the same keys (an empty stand-in with counted=False), so that they reduce together."""
+    """The step's metrics over micro-batches and ranks, each added once where it is computed: Mean totals and
+    counts add up, Sum values add up, Max values take the largest. `counted` False (an empty stand-in, a
+    sequence-parallel group's other ranks) adds nothing but the key, so that every rank reduces the same keys."""
 
     def __init__(self):
-        self.sums, self.maxes = {}, {}
+        self.means, self.sums, self.maxes = {}, {}, {}
 
     def add(self, metrics: dict, counted: bool = True) -> None:
         for k, m in metrics.items():
             if isinstance(m, Max):
                 self.maxes[k] = max(self.maxes.get(k, 0.0), m if counted else 0.0)
+            elif isinstance(m, Sum):
+                self.sums[k] = self.sums.get(k, 0.0) + (m if counted else 0.0)
             else:
-                total, count = self.sums.get(k, (0.0, 0.0))
-                self.sums[k] = (total + m.total, count + m.count) if counted else (total, count)
+                total, count = self.means.get(k, (0.0, 0.0))
+                self.means[k] = (total + m.total, count + m.count) if counted else (total, count)
 
-    def reduce(self) -> dict:
-        totals = distributed.all_sum({f"{k}\0{i}": v[i] for k, v in self.sums.items() for i in (0, 1)})
-        out = {k: totals[f"{k}\0{0}"] / max(totals[f"{k}\0{1}"], 1) for k in self.sums}
-        return out | {k: distributed.all_max(v) for k, v in self.maxes.items()}
+    def reduce(self, ranks) -> dict:
+        """Every rank's, combined (every rank calls it)."""
+        totals = ranks.sum({(k, part): v[i] for k, v in self.means.items() for i, part in enumerate(("total", "n"))}
+                           | {(k, "sum"): v for k, v in self.sums.items()})
+        out = {k: totals[k, "total"] / max(totals[k, "n"], 1) for k in self.means}
+        return out | {k: totals[k, "sum"] for k in self.sums} | {k: ranks.max(v) for k, v in self.maxes.items()}
 
 
-def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg, masters=None) -> tuple[Tally, int, torch.Tensor]:
-    """Step 6: one optimizer step per mini-batch, gradients accumulated over its micro-batches. An update
-    whose loss or gradient is NaN/inf on any rank is skipped: the optimizer never sees it. `masters`
-    (distributed.MasterWeights, bf16 outside FSDP): the fp32 weights the optimizer steps, copied to the module after.
-    Returns (the loss's metrics, updates skipped, the last gradient norm)."""
+@torch.no_grad()
+def old_ref_and_masks(policy, ref, minis: list[list[MicroBatch]], version: int, cfg, tally: Tally, ranks,
+                      watch=None) -> None:
+    """Step 5, one pass with the weights about to be updated (policy version `version`): each micro-batch gets
+    pi_old (loss.old_logprobs), the reference's log-probs for the KL and the token masks; `tally` the entropy
+    and the masks' shares. `watch` (engine_gap.Watch) sees each forward and its log-probs: the engine/trainer
+    gap on the tokens these very weights sampled."""
+    for mbs in minis:
+        for mb in mbs:
+            with watch.around(mb) if watch else contextlib.nullcontext():
+                current, entropy = policy(mb, cfg.temperature)
+            mb.old_logprobs = old_logprobs(cfg.is_mode, current, mb.behaviour, mb.versions, version)
+            if ref is not None:
+                mb.ref_logprobs = ref(mb, cfg.temperature)[0]
+            mb.loss_mask, mb.pg_mask = token_masks(mb, current, entropy, cfg)
+            counted = not mb.empty and ranks.counted
+            tokens = int(mb.resp_mask.sum())
+            tally.add({"entropy/mean": Mean(entropy[mb.resp_mask].sum().item(), tokens),
+                       # of the response tokens: dropped from the policy-gradient term by DMMPTs (still in the
+                       # denominator and the KL), and left out of the loss whole by --overlong filter
+                       "mpt/masked_frac": Mean(int(mb.loss_mask.sum()) - int(mb.pg_mask.sum()), tokens),
+                       "overlong/filtered_frac": Mean(tokens - int(mb.loss_mask.sum()), tokens)}, counted)
+            if watch and counted:
+                watch.add(mb, current)
+
+
+def micro_batch_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, denom: int,
+                     cfg) -> tuple[torch.Tensor, dict]:
+    """Step 6 on one micro-batch, in tensors [b, T]: the clipped loss of the trainer's `logprobs` against pi_old
+    (mb.old_logprobs), with the DMMPT mask (mb.pg_mask) and the KL to the reference, over the step's token count
+    `denom` (UloRL Eq. 10). `entropy` is differentiable: an entropy bonus is
+    `loss - coef * loss.aggregate(torch.where(mb.loss_mask, entropy, 0), mb.loss_mask, cfg.agg, denom)`. Metrics
+    are loss.Mean (a total and what it averages over), loss.Sum or loss.Max; a new one lands in metrics.jsonl
+    as its value over the step."""
+    loss, metrics = policy_loss(logprobs, mb.old_logprobs, mb.adv, mb.loss_mask, pg_mask=mb.pg_mask,
+                                eps_low=cfg.eps_low, eps_high=cfg.eps_high, clip_ratio_c=cfg.clip_ratio_c,
+                                ref_logprobs=mb.ref_logprobs, kl_coef=cfg.kl_coef, agg=cfg.agg, denom=denom,
+                                tis_cap=cfg.tis_cap or None, behaviour_logprobs=mb.behaviour)
+    return loss, metrics
+
+
+def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg, tally: Tally, ranks) -> tuple[int, torch.Tensor]:
+    """Step 6: one optimizer step per mini-batch, gradients accumulated over its micro-batches (`ranks`, a
+    distributed.Ranks, wraps each backward: the gradient sync, a bf16 run's fp32 masters). An update whose loss
+    or gradient is NaN/inf on any rank is skipped: the optimizer never sees it. Returns (updates skipped, the
+    last gradient norm); the loss's metrics go to `tally`."""
     policy.train()
     params = [p for g in opt.param_groups for p in g["params"]]  # what AdamW steps: fp32 in a bf16 run
-    tally, skipped, grad_norm = Tally(), 0, torch.tensor(float("nan"))
+    skipped, grad_norm = 0, torch.tensor(float("nan"))
     for mbs in minis:
         # The one place that decides what the loss averages over: every loss_mask token (DMMPT-masked ones
         # included, UloRL Eq. 10; overlong-filtered samples not) of *all* micro-batches of this optimizer
@@ -250,69 +241,56 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg, masters=Non
         # by the world size makes it a sum. Under --sp each rank of a group computes the whole loss but its
         # gradient flows through its own slice's tokens only: the group's gradients add up to the loss's.
         local = sum(int(mb.loss_mask.sum()) if cfg.agg == "token" else int((mb.loss_mask.sum(1) > 0).sum())
-                    for mb in mbs) if seqpar.counts() else 0
-        denom = distributed.all_sum({"n": local})["n"]
+                    for mb in mbs) if ranks.counted else 0
+        denom = ranks.sum({"n": local})["n"]
         opt.zero_grad(set_to_none=True)
         finite = True
-        for i, mb in enumerate(mbs):  # (bf16 outside FSDP: the masters add up and reduce the gradients in fp32)
-            with distributed.grad_sync(policy, last=i == len(mbs) - 1 and masters is None):
+        for i, mb in enumerate(mbs):
+            with ranks.micro_batch(last=i == len(mbs) - 1):
                 logprobs, entropy = policy(mb, cfg.temperature)
                 loss, metrics = micro_batch_loss(mb, logprobs, entropy, denom, cfg)
-                (loss * distributed.world()).backward()
-            if masters is not None:
-                masters.take_grads()
+                (loss * ranks.world).backward()
             finite &= bool(torch.isfinite(loss))
             # loss/policy: the loss that trains, terms added in micro_batch_loss included. Each micro-batch's
             # carries the step's denominator, so they add up to the update's; the step's is the mean over updates
-            metrics["loss/policy"] = Mean(loss.item(), 0)
-            tally.add(metrics, counted=not mb.empty and seqpar.counts())
-        tally.add({"loss/policy": Mean(0.0, 1)}, counted=distributed.rank() == 0)
-        if masters is not None:
-            masters.reduce_grads()
-        grad_norm = distributed.full_tensor(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-        if not (distributed.all_true(finite) and torch.isfinite(grad_norm)):
+            tally.add({**metrics, "loss/policy": Sum(loss.item() / len(minis))}, counted=not mb.empty and ranks.counted)
+        grad_norm = ranks.clip_grads(params, cfg.grad_clip)
+        if not (ranks.all_true(finite) and torch.isfinite(grad_norm)):
             opt.zero_grad(set_to_none=True)
             skipped += 1
             continue
         opt.step()
         sched.step()
-        if masters is not None:
-            masters.copy_to_model()
+        ranks.after_step()
     opt.zero_grad(set_to_none=True)  # no gradient outlives the update (a colocated engine wakes into that memory)
-    return tally, skipped, grad_norm
+    return skipped, grad_norm
 
 
-def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg, masters=None,
-           recent_kl: list | None = None, probe=None) -> dict:
+def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg, ranks, watch=None,
+           probe=None) -> dict:
     """Steps 5-6 on a batch of complete, informative groups (the same batch on every rank), with the weights of
     policy version `version`; `policy` and `ref` map a micro-batch to response log-probs and entropy (model.wrap).
-    `recent_kl`: RunState.engine_kl; `probe` (--overlap): called by every rank after its pass over the batch, it
-    returns samples the current weights decoded, for the engine/trainer gap check alone. Returns the metrics."""
+    `ranks` (distributed.Ranks) is what the update needs of the trainer ranks; `watch` (engine_gap.Watch) checks
+    the engine against these weights before the optimizer steps; `probe` (--overlap): called by every rank after
+    its pass over the batch, it returns samples the current weights decoded, for the watch alone. Returns the
+    step's metrics."""
     samples = [s for g in groups for s in g]
-    minis = plan_micro_batches(samples, sample_advantages(groups), pad_id, cfg)
-    gap, routes = engine_gap.Gap(), Mismatch(version)
-    stats = prepare(policy, ref, minis, version, cfg, gap, routes)
-    if probe is not None and (probes := probe()):  # their log-probs beside the engine's: only gap and routes kept
-        prepare(policy, None, plan_micro_batches(probes, torch.zeros(len(probes)), pad_id, cfg), version, cfg, gap,
-                routes)
-    stats = distributed.all_sum(stats)  # every rank's, before the check
-    gap.reduce()
-    if (engine_kl := gap.kl()) is not None:
-        engine_gap.check(engine_kl, gap.largest, cfg, [] if recent_kl is None else recent_kl)
-    tally, skipped, grad_norm = optimize(policy, opt, sched, minis, cfg, masters)
-    out = tally.reduce()
+    minis = plan_micro_batches(samples, sample_advantages(groups), pad_id, cfg, ranks)
+    tally = Tally()
+    if watch:
+        watch.start(version)
+    old_ref_and_masks(policy, ref, minis, version, cfg, tally, ranks, watch)
+    if watch and probe is not None and (probes := probe()):  # their log-probs beside the engine's, nothing more
+        probed = plan_micro_batches(probes, torch.zeros(len(probes)), pad_id, cfg, ranks)
+        old_ref_and_masks(policy, None, probed, version, cfg, Tally(), ranks, watch)
+    if watch:
+        watch.check()
+    skipped, grad_norm = optimize(policy, opt, sched, minis, cfg, tally, ranks)
+    out = tally.reduce(ranks)
     out.update({"train/samples": len(samples), "train/lr": sched.get_last_lr()[0],
                 "train/grad_norm": grad_norm.item(),
                 "train/optimizer_steps": len(minis) - skipped, "train/skipped_updates": skipped,
-                "entropy/mean": stats["entropy"] / max(stats["tokens"], 1),
-                # of the response tokens: dropped from the policy-gradient term by DMMPTs (still in the
-                # denominator and the KL), and left out of the loss whole by --overlong filter
-                "mpt/masked_frac": (stats["loss_tokens"] - stats["pg_tokens"]) / max(stats["tokens"], 1),
-                "overlong/filtered_frac": 1 - stats["loss_tokens"] / max(stats["tokens"], 1),
-                **gap.metrics(),
-                **staleness(samples, version)})
-    if cfg.routing_replay != "false":
-        out.update(routes.metrics())
+                **(watch.metrics() if watch else {}), **staleness(samples, version)})
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in out.items()}  # JSON: no NaN
 
 

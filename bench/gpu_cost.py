@@ -37,7 +37,7 @@ class GPUCost:
     round-robin by count to `replicas` engines, one GPU each with its own KV budget (whoever deals them does
     not know the lengths in advance, so not balanced by tokens); the call takes as long as its slowest engine.
     The update: the trained samples' forward FLOPs (2 x active parameters x tokens + the attention term) x 3
-    for forward and backward, + 1 forward for pi_old (ulorl.prepare's pass), + 1 for the reference when `kl`,
+    for forward and backward, + 1 forward for pi_old (ulorl.old_ref_and_masks's pass), + 1 for the reference when `kl`,
     over `train_gpus` GPUs at `train_mfu` of peak. Defaults: Qwen3-30B-A3B (48 layers, hidden 2048, 32/4 heads
     of 128, 128 experts of 768, top-8, vocabulary 151,936) in bf16 on H200s (141 GB, 4.8 TB/s, 989 TFLOPS
     dense bf16)."""

@@ -218,8 +218,10 @@ def measure_update(model: str, flags: list[str]) -> dict:
     import functools
     import torch
     import config
+    import distributed
     import model as model_lib
     import placement
+    import seqpar
     import ulorl
     return_frees()
     cfg = config.parse_config(["--model", model, *flags])
@@ -234,7 +236,8 @@ def measure_update(model: str, flags: list[str]) -> dict:
     policy, ref, lm, ref_lm, tokenizer, masters = placement.load_models(cfg, None, world)
     opt = torch.optim.AdamW(masters.parameters() if masters else policy.parameters(), lr=1e-5)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(ulorl.lr_factor, cfg=cfg))
-    update = functools.partial(ulorl.update, policy, ref, opt, sched, groups, 1, tokenizer.pad_token_id, cfg, masters)
+    update = functools.partial(ulorl.update, policy, ref, opt, sched, groups, 1, tokenizer.pad_token_id, cfg,
+                               distributed.Ranks(policy, masters, seqpar.sp_size()))
     update()
     after_first = resident()
     starts, peaks, saved, seen, top = [], [], [], {}, []

@@ -28,7 +28,7 @@ def routing_model(experts: int, top_k: int, layers: int, hidden: int, seed: int)
 
 def k3_gaps(d: torch.Tensor) -> dict:
     """Engine/trainer gaps d = trainer - engine log-prob: mean and largest |d|, and the k3 estimate of
-    KL(engine || trainer) as ulorl.prepare computes it (rollout/engine_kl)."""
+    KL(engine || trainer) as ulorl.old_ref_and_masks computes it (rollout/engine_kl)."""
     return {"mean": d.abs().mean().item(), "max": d.abs().max().item(), "k3": (d.exp() - 1 - d).mean().item()}
 
 
@@ -36,7 +36,7 @@ def routing_point(spec: str, dtype: str, args) -> dict:
     """One model in one dtype. The transformers engine samples --tokens tokens (temperature 1) for each of
     --prompts random prompts of 8-32 tokens, recording the experts of every position it computes (prefill, then
     one decode step a token through the KV cache). The trainer's forward (model.response_logprobs over
-    micro-batches, under no_grad as ulorl.prepare) then runs twice: with its own routing, and with the
+    micro-batches, under no_grad as ulorl.old_ref_and_masks) then runs twice: with its own routing, and with the
     engine's replayed (and tallied as rollout/routing_mismatch counts it); each time every layer's experts are
     recorded. A decision is one (position, layer): every position the engine routed, i.e. all but each
     sequence's last; prefill positions are the prompt's, decode positions those that took a sampled token in."""

@@ -98,7 +98,7 @@ def updates(lm, groups, tok, kind, n=5):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     policy = model_lib.wrap(lm, "none")
     for _ in range(n):
-        ulorl.update(policy, None, opt, sched, groups, 0, tok.pad_token_id, cfg, masters)
+        ulorl.update(policy, None, opt, sched, groups, 0, tok.pad_token_id, cfg, distributed.Ranks(masters=masters))
     return torch.cat([p.detach().float().flatten() for p in params])
 
 

@@ -22,12 +22,13 @@ ENTROPY_BONUS = 0.01
 EDITS = [
     ("config.py", '    dump_samples: int = flag(',
      '    my_flag: bool = flag(False, "a researcher\'s new idea; off by default")\n'),
-    ("ulorl.py", '    out = tally.reduce()\n',
+    ("ulorl.py", '    out = tally.reduce(ranks)\n',
      '    out["my/metric"] = 1.0 if cfg.my_flag else 0.5\n'),
-    ("ulorl.py", '                                behaviour_logprobs=mb.behaviour)\n',
-     '    entropy_sum = torch.where(mb.loss_mask, entropy, 0).sum()\n'
-     f'    if cfg.my_flag:\n        loss = loss - {ENTROPY_BONUS} * entropy_sum / denom\n'
-     '    metrics["my/entropy"] = Mean(entropy_sum.item(), mb.loss_mask.sum().item())\n'),
+    ("ulorl.py", 'from loss import ', 'aggregate, '),
+    ("ulorl.py", 'behaviour_logprobs=mb.behaviour)\n',
+     '    entropy = torch.where(mb.loss_mask, entropy, 0)\n'
+     f'    if cfg.my_flag:\n        loss = loss - {ENTROPY_BONUS} * aggregate(entropy, mb.loss_mask, cfg.agg, denom)\n'
+     '    metrics["my/entropy"] = Mean(entropy.sum().item(), mb.loss_mask.sum().item())\n'),
     ("plot.py", 'FIGURES = {\n',
      '    "my_metric.png": [("my new metric", [("my/metric", "-")])],\n'),
 ]

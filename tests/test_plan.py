@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from conftest import run, together
 import checkpoint
 import distributed
+from distributed import Ranks
 from routing import Routing, routing_dtype
 import model as model_lib
 import placement
@@ -242,7 +243,7 @@ def test_routing_replay_items_are_what_the_step_holds(moe_dir):
                       routing=torch.randint(0, 4, (full - 1, shape.layers, 2), dtype=routing_dtype(4)))
                for i in range(6)]
     plan = plan_lib.make_plan(shape, cfg, 1, 1, False)
-    mbs = [mb for mini in ulorl.plan_micro_batches(samples, torch.zeros(6), 0, cfg) for mb in mini]
+    mbs = [mb for mini in ulorl.plan_micro_batches(samples, torch.zeros(6), 0, cfg, Ranks()) for mb in mini]
     held = sum(mb.replay.nbytes + mb.replay_versions.nbytes for mb in mbs)
     T = max(cfg.max_tokens_per_micro_batch, full)
     assert held == 6 * full * (routed * 2 + 8) and plan.host["routing replay ids (every rank)"] == held + T * routed * 2
@@ -272,9 +273,9 @@ def test_collated_micro_batches_are_what_the_update_holds(pack):
                                "--pack", str(pack).lower()])
     samples = [Sample(uid=i, group=i // 2, prompt_ids=[5] * 8, row={}, tokens=[6] * 24, logprobs=[-1.0] * 24,
                       versions=[0] * 24, finish="eos", reward=float(i % 2)) for i in range(6)]
-    minis = ulorl.plan_micro_batches(samples, torch.zeros(6), 0, cfg)
+    minis = ulorl.plan_micro_batches(samples, torch.zeros(6), 0, cfg, Ranks())
     policy = model_lib.wrap(lm, "none")
-    ulorl.prepare(policy, policy, minis, 1, cfg, ulorl.engine_gap.Gap(), ulorl.Mismatch(1))
+    ulorl.old_ref_and_masks(policy, policy, minis, 1, cfg, ulorl.Tally(), Ranks())
     held = sum(v.nbytes for mb in (m for mini in minis for m in mini) for k, v in vars(mb).items()
                if torch.is_tensor(v) and not k.startswith("replay"))
     planned = plan_lib.make_plan(plan_lib.Shape.of(lm.config), cfg, 1, 1, True).trainer["micro-batches (collated)"]

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import config
+from distributed import Ranks
+from engine_gap import Watch
 from routing import Routing, routing_mismatch
 import model as model_lib
 import tiny
@@ -172,7 +174,8 @@ def test_every_trainer_forward_uses_the_engines_experts(routes):
         Routing.of(module).recorded = used[name] = []
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-3)
     out = ulorl.update(model_lib.wrap(lm, "none"), model_lib.wrap(ref_lm, "none", trainable=False), opt,
-                       torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), groups, 0, tok.pad_token_id, cfg)
+                       torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), groups, 0, tok.pad_token_id, cfg,
+                       Ranks(), Watch(cfg, []))
     samples = [s for g in groups for s in g]
     want = model_lib.collate(samples, tok.pad_token_id, pack=True).replay.long()  # [layers, tokens, top_k]
     assert (want >= 0).all(dim=-1).sum() == sum(len(s.prompt_ids) + len(s.tokens) - 1 for s in samples) * 2

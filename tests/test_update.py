@@ -6,6 +6,7 @@ three policy versions, the ratio metrics, a NaN loss skipped, and ProRL's refere
 import copy
 import json
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,9 @@ import config
 import loss
 import model as model_lib
 import ulorl
+from distributed import Ranks
 from engine import HFEngine, Sampling
+from conftest import ROOT
 from naive import PROMPTS, TOL, ids, make_row, naive_logprobs
 from segment_rollout import Pools, Sample, rollout_step
 
@@ -86,7 +89,7 @@ def test_update_ratio_metrics(tok, multi_version, is_mode):
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = copy.deepcopy(policy.state_dict())
-    out = ulorl.update(model_lib.wrap(policy, "none"), None, opt, sched, groups, 2, tok.pad_token_id, cfg)
+    out = ulorl.update(model_lib.wrap(policy, "none"), None, opt, sched, groups, 2, tok.pad_token_id, cfg, Ranks())
     assert out["train/optimizer_steps"] == 1
     assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items()), "no update happened"
     if is_mode == "pois":
@@ -110,7 +113,7 @@ def test_update_ratio_max_is_a_max_over_micro_batches(tok, multi_version):
     policy = copy.deepcopy(policy)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    out = ulorl.update(model_lib.wrap(policy, "none"), None, opt, sched, groups, 2, tok.pad_token_id, cfg)
+    out = ulorl.update(model_lib.wrap(policy, "none"), None, opt, sched, groups, 2, tok.pad_token_id, cfg, Ranks())
     assert out["ratio/max"] == pytest.approx(true_max, rel=1e-5)
 
 
@@ -168,7 +171,7 @@ def test_nan_loss_skips_the_update():
                               seg_starts=[0], finish="eos", reward=r) for i, r in enumerate(rewards)])
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     trainer = model_lib.wrap(policy, "none")
-    m = ulorl.update(trainer, None, opt, sched, groups, 0, tok.pad_token_id, cfg)
+    m = ulorl.update(trainer, None, opt, sched, groups, 0, tok.pad_token_id, cfg, Ranks())
     assert m["train/skipped_updates"] == 1 and m["train/optimizer_steps"] == 0
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
     assert not opt.state  # nothing of the NaN step reached the optimizer
@@ -176,7 +179,7 @@ def test_nan_loss_skips_the_update():
     state = ulorl.RunState(version=3)
     ulorl.after_update(m, state, cfg, warn=False)  # no weights changed: no new policy version to stamp tokens with
     assert (state.version, state.bad_steps) == (3, 1)
-    m = ulorl.update(trainer, None, opt, sched, groups[:1], 0, tok.pad_token_id, cfg)  # good data trains again
+    m = ulorl.update(trainer, None, opt, sched, groups[:1], 0, tok.pad_token_id, cfg, Ranks())  # good data trains again
     assert m["train/optimizer_steps"] == 1
     assert not all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
     ulorl.after_update(m, state, cfg, warn=False)
@@ -201,7 +204,7 @@ def test_the_loss_divides_by_the_tokens_of_every_micro_batch_of_the_step(tok, mu
         trainer = copy.deepcopy(policy)
         opt = torch.optim.SGD(trainer.parameters(), lr=1.0)
         out = ulorl.update(model_lib.wrap(trainer, "none"), None, opt, torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: 1.0), groups, 2, tok.pad_token_id, cfg)
+            opt, lambda s: 1.0), groups, 2, tok.pad_token_id, cfg, Ranks())
         results.append((out["loss/policy"], {k: v - policy.state_dict()[k] for k, v in trainer.state_dict().items()}))
     (one_loss, one), (many_loss, many) = results
     assert many_loss == pytest.approx(one_loss, rel=1e-5, abs=1e-7)
@@ -259,7 +262,7 @@ def test_update_divides_by_every_response_token_under_dmmpts(tok, multi_version)
     expected = -(adv[:, None] * keep).sum().item() / mb.resp_mask.sum().item()
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     out = ulorl.update(model_lib.wrap(policy, "none"), None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                       groups, 2, tok.pad_token_id, cfg)
+                       groups, 2, tok.pad_token_id, cfg, Ranks())
     assert out["loss/policy"] == pytest.approx(expected, rel=1e-5)
     assert out["mpt/masked_frac"] == pytest.approx(1 - keep.sum().item() / mb.resp_mask.sum().item())
 
@@ -362,3 +365,50 @@ def test_token_masks_filter_truncated_samples_whole_and_keep_dmmpt_tokens_in_the
                                                                                       "mpt": "off"}))
     assert torch.equal(loss_mask, resp) and torch.equal(pg_mask, resp)
 
+
+
+SYSTEMS = {"distributed", "seqpar", "routing", "engine_gap", "engine", "weight_sync", "placement"}
+
+
+def systems_names(path: str, functions: set[str] | None = None) -> set[str]:
+    """The names of systems files a file imports, and the places a function of it (all of them: None) uses one:
+    read from the AST, so that neither a call nor an import can hide."""
+    import ast
+    tree = ast.parse(open(path).read())
+    bound, found = {}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                module = (node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
+                bound[alias.asname or alias.name.split(".")[0]] = module
+                if module in SYSTEMS:
+                    found.add(f"import {module}")
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and (functions is None or node.name in functions):
+            found |= {f"{node.name}: {n.id}" for n in ast.walk(node)
+                      if isinstance(n, ast.Name) and bound.get(n.id) in SYSTEMS}
+    return found
+
+
+def test_the_algorithm_s_file_names_nothing_of_the_systems():
+    """ulorl.py imports the loss, the model and the standard library or torch, nothing else; no function of it
+    reaches the ranks, sequence parallelism, routing replay or the engine other than through what it is handed."""
+    import ast
+    import sys
+    path = os.path.join(ROOT, "ulorl.py")
+    imported = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+                for n in ast.walk(ast.parse(open(path).read())) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names}
+    assert imported - sys.stdlib_module_names - {"torch"} == {"loss", "model"}
+    assert systems_names(path) == set()
+    # the check itself sees an import and a call
+    with open(path) as f:
+        text = f.read()
+    changed = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ulorl_{os.getpid()}.py")
+    with open(changed, "w") as f:
+        f.write(text.replace("import math\n", "import math\nimport seqpar as sp\n", 1)
+                .replace("    policy.train()\n", "    policy.train()\n    sp.sp_size()\n", 1))
+    try:
+        assert systems_names(changed) == {"import seqpar", "optimize: sp"}
+    finally:
+        os.remove(changed)

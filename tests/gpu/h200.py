@@ -471,6 +471,7 @@ def part_layers(ctx: Ctx) -> dict:
     import plan
     import seqpar
     import ulorl
+    from engine_gap import Watch
     cuda = ctx.device == "cuda"
     config = AutoConfig.from_pretrained(QWEN3_30B)
     out = {"part": "qwen3_30b_layers", "ok": False, "error": None}
@@ -507,7 +508,8 @@ def part_layers(ctx: Ctx) -> dict:
         t0 = time.time()
         row = {"lengths": list(lengths)}
         try:
-            metrics = ulorl.update(policy, None, opt, sched, groups, 0, 0, cfg, masters, [], None)
+            metrics = ulorl.update(policy, None, opt, sched, groups, 0, 0, cfg, distributed.Ranks(policy, masters),
+                                   Watch(cfg, []))
             row["optimizer_steps"] = metrics["train/optimizer_steps"]
         except torch.OutOfMemoryError as e:  # the figures up to here still say how far it got
             row.update(optimizer_steps=0, error=f"out of memory: {str(e)[:300]}")
@@ -542,6 +544,7 @@ def part_fsdp(ctx: Ctx) -> dict:
     import placement
     import seqpar
     import ulorl
+    from engine_gap import Watch
     cuda = ctx.device == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -564,7 +567,7 @@ def part_fsdp(ctx: Ctx) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     t0 = time.time()
     metrics = ulorl.update(policy, None, opt, sched, made_up_group(ctx.size["fsdp_rows"], len(tok), 32), 0,
-                           tok.pad_token_id, cfg, None, [], None)
+                           tok.pad_token_id, cfg, distributed.Ranks(policy), Watch(cfg, []))
     out["step_s"] = round(time.time() - t0, 2)
     out["optimizer_steps"] = metrics["train/optimizer_steps"]
     with torch.no_grad():  # (read after the update: FSDP2 may give a parameter new local storage as it pins it)
@@ -626,6 +629,7 @@ def gradient_memory(device: str, world: int, parallel: str, compute_dtype=None, 
     import distributed
     import model as model_lib
     import ulorl
+    from engine_gap import Watch
     from segment_rollout import Sample
     if device == "cuda":
         measure = torch.cuda.memory_allocated
@@ -654,7 +658,7 @@ def gradient_memory(device: str, world: int, parallel: str, compute_dtype=None, 
         cfg = config.Config(max_tokens_per_micro_batch=micro_tokens * 2 // world, device=device, kl_coef=0.0,
                             on_engine_kl="warn")
         at_forward.clear()
-        ulorl.update(policy, None, opt, sched, groups, 0, 0, cfg)
+        ulorl.update(policy, None, opt, sched, groups, 0, 0, cfg, distributed.Ranks(policy), Watch(cfg, []))
         held[n] = [b - at_forward[0] for b in at_forward[1:]]
     if keep:
         keep(lm)
