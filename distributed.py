@@ -110,6 +110,18 @@ class Ranks:
         self.policy, self.masters, self.sp = policy, masters, sp
         self.world = world()
 
+    def from_lead(self, obj):
+        """Rank 0's `obj` on every rank (pickled): the step's batch, the probe, the stop and reset verdicts."""
+        return broadcast(obj)
+
+    def wait_for_lead(self) -> None:
+        """Every rank waits here until rank 0 arrives (no timeout)."""
+        barrier()
+
+    def gather_for_lead(self, lm, dtype: torch.dtype) -> None:
+        """This rank's part of the gathers while rank 0 sends the full weights to its engine."""
+        gather_only(lm, dtype)
+
     @property
     def data_world(self) -> int:
         """How many shares a batch is split into: one per sequence-parallel group."""

@@ -8,7 +8,7 @@ import sys
 import torch
 
 import distributed
-from routing import Mismatch
+from routing import RoutingMismatch
 
 GAP_BINS = (-12.0, 2.0, 280)  # log10 |trainer - engine log-prob| from 1e-12 to 100 nats, 20 bins a decade
 # The engine/trainer KL leaves out its GAP_OUTLIERS largest tokens: one bf16 MoE token 3.5 nats off adds
@@ -117,13 +117,13 @@ class Watch:
     pass with the weights of policy version `start(version)` shows it each micro-batch's forward (`around`: the
     routing the engine chose against the trainer's router, --routing-replay) and log-probs (`add`: the gap on
     the tokens these very weights sampled); `check` then stops a run whose engine is stale, and `metrics` reports
-    both. `recent`: RunState.engine_kl, the jump test's history."""
+    both. `recent`: RunState.engine_kl, the jump test's history; `lm`: the trainer's model (its routers)."""
 
-    def __init__(self, cfg, recent: list):
-        self.cfg, self.recent = cfg, recent
+    def __init__(self, cfg, recent: list, lm=None):
+        self.cfg, self.recent, self.lm = cfg, recent, lm
 
     def start(self, version: int) -> None:
-        self.version, self.gap, self.routes = version, Gap(), Mismatch(version)
+        self.version, self.gap, self.routes = version, Gap(), RoutingMismatch(version, self.lm)
 
     def around(self, mb):
         return self.routes.counting(mb)

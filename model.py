@@ -1,20 +1,20 @@
 """The model side of the trainer: loading the model and tokenizer (YaRN flags; sharded under FSDP), the
 micro-batch layout (`MicroBatch`, `micro_batches`, `collate`) and the forward pass to response log-probs
-(`response_logprobs`, as the module `Policy` that DDP/FSDP2 wrap). The systems features it reaches are files
-of their own: distributed.py (FSDP2/DDP, collectives), seqpar.py (sequence parallelism, packed attention),
-routing.py (MoE routing replay).
+(`response_logprobs`, as the module `Policy` that DDP/FSDP2 wrap). The systems features wrap that forward from
+files of their own (`wrap`): seqpar.py (sequence parallelism, packed attention), routing.py (MoE routing replay),
+distributed.py (FSDP2/DDP).
 """
 import itertools
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import distributed
 import loss
+import routing
 import seqpar
-from routing import replay_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -104,9 +104,10 @@ class MicroBatch:
     versions: torch.Tensor  # [b, T]: the policy version that sampled each token (-1 on padding)
     rewards: torch.Tensor  # [b]
     truncated: torch.Tensor  # [b] bool
-    replay: torch.Tensor | None = None  # [layers, rows x L, top_k]: the engine's experts per position (replay_layout)
-    replay_versions: torch.Tensor | None = None  # [rows x L]: the policy version that routed each position
-    # (both in host memory, whatever `device` collate was given)
+    samples: list = field(default_factory=list)  # the b samples (segment_rollout.Sample), in order
+    starts: list = field(default_factory=list)  # where each sample's first position is in [rows x L] order
+    attention: dict = field(default_factory=dict)  # the decoder's further attention arguments (seqpar's kernels)
+    offset: int = 0  # the column of input_ids[:, 0] in the whole row (seqpar's slice of it)
     # filled by the update
     adv: torch.Tensor | None = None  # [b]
     old_logprobs: torch.Tensor | None = None  # [b, T]: pi_old, what the importance ratio divides by
@@ -114,12 +115,10 @@ class MicroBatch:
     loss_mask: torch.Tensor | None = None  # [b, T] bool: the tokens the loss averages over (its denominator)
     pg_mask: torch.Tensor | None = None  # [b, T] bool: the loss_mask tokens whose policy-gradient term trains
     empty: bool = False  # a stand-in that trains nothing (ranks with fewer micro-batches run these)
-    tally: dict | None = None  # set around one forward: count its routing mismatch (Routing.use)
 
     def to(self, device) -> "MicroBatch":
         for f in fields(self):
-            v = getattr(self, f.name)
-            if torch.is_tensor(v) and not f.name.startswith("replay"):  # those stay on the host
+            if torch.is_tensor(v := getattr(self, f.name)):
                 setattr(self, f.name, v.to(device))
         return self
 
@@ -190,58 +189,47 @@ def collate(samples: list, pad_id: int, device="cpu", pack: bool = True) -> Micr
                       cols=torch.tensor(cols), targets=torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long),
                       resp_mask=resp_mask, behaviour=behaviour, versions=versions,
                       rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
-                      truncated=torch.tensor([s.finish == "truncated" for s in samples])).to(device)
-    # replay ids stay in host memory (a step's micro-batches all wait for the update): each router moves its
-    # layer's slice to the device as it runs (Routing._route)
-    first = [start + (0 if pack else i * ids.shape[1]) for i, start in enumerate(starts)]  # in [rows x L] order
-    mb.replay, mb.replay_versions = replay_layout(samples, first, ids.numel()) or (None, None)
+                      truncated=torch.tensor([s.finish == "truncated" for s in samples]), samples=list(samples),
+                      starts=[start + (0 if pack else i * ids.shape[1]) for i, start in enumerate(starts)]).to(device)
     return mb
 
 
 # ---------------------------------------------------------------------------------- the forward pass
 
-def response_logprobs(model, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob and entropy of every response token of a micro-batch (packed or padded), as [b, T] (0 on
-    padding). Only the N real response positions go through the lm_head, in chunks (loss.token_logprobs).
+def response_tokens(lm, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy of every response token of a micro-batch (packed or padded), [N] each, samples in
+    order. Only the N real response positions go through the lm_head, in chunks (loss.token_logprobs).
     use_cache=False matters for packed rows: with a KV cache transformers skips the packed-sequence mask and
-    every sequence would attend to those before it in the row. Under sequence parallelism (--sp) this rank
-    runs the decoder on its slice of the packed row only (sequence_slice) and computes the response tokens
-    that fall in it; the others' are summed in from the group, so every rank of it returns the whole [b, T]."""
-    ids, pos, lo, extra = mb.input_ids, mb.position_ids, 0, {}
-    if model.config._attn_implementation in seqpar.PACKED_KERNELS and pos is not None:
-        ids, pos, lo, extra = seqpar.sequence_slice(ids, pos)
-    if (routing := getattr(model, "_ulorl_routing", None)) is not None:  # --routing-replay: the engine's experts
-        routing.use(mb.replay, lo, ids.numel(), mb.tally, mb.replay_versions)
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mb.attention_mask, position_ids=pos, use_cache=False,
-                                 **extra).last_hidden_state
-    rows, cols, targets, mine = mb.rows, mb.cols, mb.targets, None
-    if extra.get("sp_group") is not None:  # the response tokens predicted from this rank's slice
-        mine = (cols >= lo) & (cols < lo + ids.shape[1])
-        rows, cols, targets = rows[mine], cols[mine] - lo, targets[mine]
-    h = hidden[rows, cols]  # [N, H]: the positions that predict response tokens
-    lp, ent = loss.token_logprobs(h, model.get_output_embeddings().weight, targets, temperature)
-    if mine is not None:  # this rank's tokens in place, 0 elsewhere; summed over the group
-        lp = torch.zeros(mine.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mine, lp)
-        ent = torch.zeros(mine.shape, dtype=ent.dtype, device=ent.device).masked_scatter(mine, ent)
-        lp, ent = seqpar._SumOverGroup.apply(lp, seqpar._sp_group), seqpar._SumOverGroup.apply(ent, seqpar._sp_group)
-    out_lp = torch.zeros(mb.resp_mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mb.resp_mask, lp)
-    out_ent = torch.zeros(mb.resp_mask.shape, dtype=ent.dtype, device=ent.device).masked_scatter(mb.resp_mask, ent)
-    return out_lp, out_ent
+    every sequence would attend to those before it in the row."""
+    hidden = lm.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                              use_cache=False, **mb.attention).last_hidden_state
+    return loss.token_logprobs(hidden[mb.rows, mb.cols], lm.get_output_embeddings().weight, mb.targets, temperature)
+
+
+def response_logprobs(lm, mb: MicroBatch, temperature: float, tokens=response_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """response_tokens (or `tokens`, it wrapped) laid out as [b, T] each, 0 on padding."""
+    lp, ent = tokens(lm, mb, temperature)
+    return (torch.zeros(mb.resp_mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mb.resp_mask, lp),
+            torch.zeros(mb.resp_mask.shape, dtype=ent.dtype, device=ent.device).masked_scatter(mb.resp_mask, ent))
 
 
 class Policy(torch.nn.Module):
-    """The trainer's forward as one module: micro-batch -> (log-probs, entropy) of its response tokens.
+    """The trainer's forward as one module: micro-batch -> (log-probs, entropy) of its response tokens, [b, T].
     DDP and FSDP2 act through a module's forward (gradient hooks; all-gathers of sharded parameters), so the
-    whole computation, chunked lm_head included, runs inside this one. `lm` is the Hugging Face model."""
+    whole computation, chunked lm_head included, runs inside this one. `lm` is the Hugging Face model; `tokens`
+    is response_tokens, or it wrapped by what the run uses (wrap)."""
 
-    def __init__(self, lm):
+    def __init__(self, lm, tokens=response_tokens):
         super().__init__()
-        self.lm = lm
+        self.lm, self.tokens = lm, tokens
 
     def forward(self, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return response_logprobs(self.lm, mb, temperature)
+        return response_logprobs(self.lm, mb, temperature, self.tokens)
 
 
 def wrap(lm, parallel: str, trainable: bool = True, compute_dtype: torch.dtype | None = None, offload: bool = False):
-    """The module the trainer calls: Policy(lm) in one process, or under DDP or FSDP2 (distributed.wrap)."""
-    return distributed.wrap(Policy(lm), lm.get_decoder().layers, parallel, trainable, compute_dtype, offload)
+    """The module the trainer calls: Policy(lm), its forward run on this rank's slice of a packed row under the
+    packed kernels and --sp (seqpar.sliced) and through the engine's experts under --routing-replay
+    (routing.replayed), in one process or under DDP or FSDP2 (distributed.wrap)."""
+    policy = Policy(lm, seqpar.sliced(routing.replayed(response_tokens)))
+    return distributed.wrap(policy, lm.get_decoder().layers, parallel, trainable, compute_dtype, offload)

@@ -32,10 +32,9 @@ keeps each gathered layer's fp32 shard on its way in. Per node, host memory is t
 Per trainer process's host: the rollout's records (ids, log-probs, versions: HOST_BYTES_PER_TOKEN a token) of
 every sample in flight at full length on rank 0, and the step's batch, pickled and unpickled, on every rank;
 with --routing-replay (MoE) the same samples' routing too, layers x top_k ids a token (routing.routing_dtype: one byte
-each up to 256 experts, else two), and each rank's share of the step's micro-batches, collated before the update
-(ulorl.plan_micro_batches), with their replay ids (layers x top_k int16 a token) and an int64 version a token, at
-full length (under --sp the whole rows, on every rank of the group), plus each router's copy of its slice of the
-running micro-batch (routing.Routing.use). Samples in flight: the rollout batch's slots (--prompts-per-step x
+each up to 256 experts, else two), and the running micro-batch's replay ids (routing.replay_layout, made for each
+forward: layers x top_k int16 a token and an int64 version a token; under --sp the whole row, on every rank of the
+group), plus each router's copy of its slice of it (routing.Routing.use; the reference's too). Samples in flight: the rollout batch's slots (--prompts-per-step x
 --group-size) at full length. That assumes the experience pool and the ready groups carried over (neither has a cap
 of its own) fit in the room the unfinished samples leave: samples that finished early are short.
 Per engine GPU (vLLM, tensor-parallel over --rollout-tp): its weights / tp, and the KV cache of one sample
@@ -198,7 +197,7 @@ def make_plan(shape: Shape, cfg, world: int, engine_ranks: int, vllm: bool) -> P
         trainer["rollout KV cache (rank 0)"] = kv_per_slot * max(slots, min(256, cfg.eval_n) if cfg.eval_data else 0)
         if world > 1:
             trainer["rollout model copy (rank 0)"] = P * c
-    host = host_items(shape, cfg, world, sp, T, routed)
+    host = host_items(shape, cfg, world, sp, L, routed)
     if offload:
         host["offloaded optimizer state"] = sum(state.values()) + (P * b // shards if cfg.kl_coef > 0 else 0)
     return Plan(trainer, engine, host)
@@ -294,9 +293,10 @@ def collated_bytes(cfg, samples: int) -> int:
                       + cfg.max_response_len * per_response)
 
 
-def host_items(shape: Shape, cfg, world: int, sp: int, T: int, routed: int) -> dict:
+def host_items(shape: Shape, cfg, world: int, sp: int, L: int, routed: int) -> dict:
     """Host memory of a trainer process for the rollout's records and the step's batch (`routed`: replayed
-    expert ids a token, 0 without routing replay)."""
+    expert ids a token, 0 without routing replay; L: a micro-batch's row, of which each rank of an --sp group
+    computes its slice)."""
     full, samples = cfg.max_prompt_len + cfg.max_response_len, cfg.train_groups * cfg.group_size
     batch = samples * full
     slots = cfg.prompts_per_step * cfg.group_size
@@ -305,14 +305,12 @@ def host_items(shape: Shape, cfg, world: int, sp: int, T: int, routed: int) -> d
     # pickle, then the samples it unpickles); --routing-replay: their routing too, in a tensor (pickled whole)
     host = {"rollout records (rank 0)": slots * full * HOST_BYTES_PER_TOKEN,
             "the step's batch (every rank)": batch * (HOST_BYTES_PER_TOKEN + PICKLED_BYTES_PER_TOKEN)}
-    if routed:  # every micro-batch of the step is collated at once: this rank's share of the batch (each mini-batch
-        # split over the world / sp data ranks, whole samples) at full length; each router (the reference's too)
-        # keeps its slice of the running micro-batch
+    if routed:  # the running micro-batch's replay ids, made for its forward over its whole row; each router (the
+        # reference's too) keeps its rank's slice of them
         ids = routed * (1 if shape.experts <= 256 else 2)  # bytes a token: routing.routing_dtype
-        mine = rank_samples(cfg, world, sp)
         host.update({"routing records (rank 0)": slots * full * ids, "batch's routing (every rank)": 2 * batch * ids,
-                     "routing replay ids (every rank)": mine * full * (routed * 2 + 8)
-                     + (2 if cfg.kl_coef > 0 else 1) * T * routed * 2})
+                     "routing replay ids (every rank)": L * (routed * 2 + 8)
+                     + (2 if cfg.kl_coef > 0 else 1) * -(-L // sp) * routed * 2})
     return host
 
 

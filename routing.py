@@ -1,5 +1,6 @@
-"""Mixture-of-Experts routing replay (--routing-replay): the router hook, the replay layout of a micro-batch,
-the engines' routing conversion and the mismatch count.
+"""Mixture-of-Experts routing replay (--routing-replay): the router hook, the trainer's forward through the
+engine's experts (`replayed`, which model.wrap applies), the replay layout of a micro-batch, the engines'
+routing conversion and the mismatch count.
 """
 import contextlib
 import functools
@@ -27,22 +28,26 @@ import distributed
 # after the first segment (the tiny MoE in fp32: largest engine/trainer gap 5e-7 -> 8e-4).
 
 
-class Mismatch:
+class RoutingMismatch:
     """rollout/routing_mismatch: of the (token, layer) decisions the current weights (policy `version`) made in
-    the engine, the share the trainer's router makes differently. Forwards count into it inside `counting`."""
+    the engine, the share the trainer's router (of `lm`) makes differently. Its forwards count into it inside
+    `counting`; a model without routing replay counts nothing."""
 
-    def __init__(self, version: int):
+    def __init__(self, version: int, lm=None):
         self.version, self.differ, self.compared = version, 0, 0
+        self.routing = getattr(lm, "_ulorl_routing", None)
 
     @contextlib.contextmanager
     def counting(self, mb):
-        mb.tally = None if mb.empty else {"version": self.version, "differ": 0, "compared": 0}
+        if self.routing is None or mb.empty:
+            yield
+            return
+        self.routing.counting = count = {"version": self.version, "differ": 0, "compared": 0}
         try:
             yield
         finally:
-            if mb.tally is not None:
-                self.differ, self.compared = self.differ + mb.tally["differ"], self.compared + mb.tally["compared"]
-            mb.tally = None
+            self.differ, self.compared = self.differ + count["differ"], self.compared + count["compared"]
+            self.routing.counting = None
 
     def metrics(self) -> dict:
         """Every rank's counts (each rank its own slice under --sp); every rank calls it."""
@@ -63,7 +68,8 @@ class Routing:
     the same ids. `recorded`, when a list, gets each layer's ids as used, per forward. `swap` False: the replay
     ids are only compared with the router's own (`tally`), never used. `tally`, when set, is {"mask": [tokens]
     bool, "differ": 0, "compared": 0}: each layer adds the masked tokens whose own experts differ from the
-    replayed ones. One Routing per module (Routing.of): the engine and the trainer may share it."""
+    replayed ones; `counting` (RoutingMismatch), when set, is the tally each replayed forward starts from. One
+Routing per module (Routing.of): the engine and the trainer may share it."""
 
     def __init__(self, lm):
         self.gates = [layer.mlp.gate for layer in lm.get_decoder().layers
@@ -72,7 +78,7 @@ class Routing:
             raise ValueError(f"{type(lm).__name__} has no Mixture-of-Experts layers: routing replay is for MoE models")
         self.replay: list[torch.Tensor] | torch.Tensor | None = None
         self.recorded: list | None = None
-        self.swap, self.tally = True, None
+        self.swap, self.tally, self.counting = True, None, None
         self.top_k, self.experts = self.gates[0].top_k, lm.config.num_experts
         for i, gate in enumerate(self.gates):
             gate.register_forward_hook(functools.partial(self._route, i))
@@ -82,10 +88,11 @@ class Routing:
     def of(cls, lm) -> "Routing":
         return getattr(lm, "_ulorl_routing", None) or cls(lm)
 
-    def use(self, replay: torch.Tensor | None, lo: int, n: int, tally: dict | None = None, versions=None) -> None:
-        """Replay tokens lo .. lo + n of a micro-batch's [layers, tokens, top_k] ids (model.collate; -1 past its
-        end: the padding --sp adds). `tally` with `versions`: count the tokens whose routing that policy version
-        made (versions == tally["version"])."""
+    def use(self, replay: torch.Tensor | None, lo: int, n: int, versions=None) -> None:
+        """Replay tokens lo .. lo + n of a micro-batch's [layers, tokens, top_k] ids (replay_layout; -1 past its
+        end: the padding --sp adds). While `counting`, with `versions`: count the tokens whose routing that policy
+        version made (versions == counting["version"])."""
+        tally = self.counting
         if replay is None:
             self.replay = self.tally = None
             return
@@ -120,18 +127,32 @@ class Routing:
         return logits, weights, ids
 
 
+def replayed(tokens):
+    """A micro-batch forward (model.response_tokens) whose Mixture-of-Experts layers route as the engine did: the
+    experts its samples carry (replay_layout) are set into the routers first, and stay set for gradient
+    checkpointing's recompute. A model without a Routing (no --routing-replay) runs as it is."""
+    def run(lm, mb, temperature):
+        if (routing := getattr(lm, "_ulorl_routing", None)) is not None:
+            replay, versions = replay_layout(mb.samples, mb.starts) or (None, None)
+            routing.use(replay, mb.offset, mb.input_ids.numel(), versions)
+        return tokens(lm, mb, temperature)
+    return run
+
+
 def routing_mismatch(own: torch.Tensor, replayed: torch.Tensor) -> float:
     """The fraction of (token, layer) decisions whose set of experts differs: [..., top_k] ids each."""
     return (own.sort(-1).values != replayed.sort(-1).values).any(-1).float().mean().item()
 
 
-def replay_layout(samples: list, starts: list[int], tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def replay_layout(samples: list, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The replay ids of a micro-batch ([layers, tokens, top_k] int16, -1 where the trainer's router decides)
     and the policy version that made each position's routing ([tokens]; -1 none), from samples whose first
-    sequence position sits at `starts` (collate). None when no sample carries routing."""
+    sequence position sits at `starts` (MicroBatch.starts), up to the last sample's end. Made for each forward
+    in host memory (Routing.use keeps its slice); None when no sample carries routing."""
     first = next((s.routing for s in samples if s.routing is not None), None)
     if first is None:
         return None
+    tokens = max(start + len(s.prompt_ids) + len(s.tokens) for s, start in zip(samples, starts))
     replay = torch.full((first.shape[1], tokens, first.shape[2]), -1, dtype=torch.int16)
     versions = torch.full((tokens,), -1, dtype=torch.long)
     for s, start in zip(samples, starts):

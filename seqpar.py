@@ -1,7 +1,8 @@
-"""Ulysses sequence parallelism (--sp) and the packed-attention kernels the trainer's module attends with.
-model.response_logprobs reaches it through sequence_slice and the registered kernel names; the update's split of
-the batch over groups is distributed.Ranks's (consecutive ranks form a group).
+"""Ulysses sequence parallelism (--sp) and the packed-attention kernels the trainer's module attends with:
+`sliced` wraps the trainer's forward (model.wrap); the registered kernel names are what transformers attends
+with. The update's split of the batch over groups is distributed.Ranks's (consecutive ranks form a group).
 """
+import dataclasses
 import functools
 
 import torch
@@ -52,11 +53,11 @@ def sequence_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu, int(cu.diff().max())
 
 
-def sequence_slice(ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, dict]:
+def sequence_slice(ids: torch.Tensor, pos: torch.Tensor, split: bool = True) -> tuple[torch.Tensor, torch.Tensor, int, dict]:
     """(this rank's input_ids, position_ids, its first column, the attention's arguments) of a packed row. Under
     --sp N the row is padded to a multiple of N (a last sequence of padding, attending only to itself) and cut
-    in N; the attention's arguments are the whole row's sequence boundaries and the group."""
-    n = sp_size()
+    in N; the attention's arguments are the whole row's sequence boundaries and the group. split False: N = 1."""
+    n = sp_size() if split else 1
     pad = -ids.shape[1] % n
     if pad:
         ids = torch.cat([ids, ids.new_zeros(1, pad)], 1)
@@ -68,6 +69,27 @@ def sequence_slice(ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, 
     width = ids.shape[1] // n
     lo = dist.get_rank(_sp_group) * width
     return ids[:, lo:lo + width], pos[:, lo:lo + width], lo, {**extra, "sp_group": _sp_group}
+
+
+def sliced(tokens, split: bool = True):
+    """A micro-batch forward (model.response_tokens: [N] log-probs and entropy) run with the packed kernels
+    (PACKED_KERNELS) on a packed row: the decoder gets the row's sequence boundaries, and under --sp this rank
+    runs it on its slice of the row only and computes the response tokens that fall in it; the others' are
+    summed in from the group, so every rank of it returns all N. Padded rows, and other kernels, run as they are.
+    split False: the whole row on this rank, whatever --sp (bench/sp.py's data-parallel side)."""
+    def run(lm, mb, temperature):
+        if lm.config._attn_implementation not in PACKED_KERNELS or mb.position_ids is None:
+            return tokens(lm, mb, temperature)
+        ids, pos, lo, attention = sequence_slice(mb.input_ids, mb.position_ids, split)
+        if "sp_group" not in attention:
+            return tokens(lm, dataclasses.replace(mb, input_ids=ids, position_ids=pos, attention=attention), temperature)
+        mine = (mb.cols >= lo) & (mb.cols < lo + ids.shape[1])  # the response tokens predicted from this slice
+        part = dataclasses.replace(mb, input_ids=ids, position_ids=pos, rows=mb.rows[mine], cols=mb.cols[mine] - lo,
+                                   targets=mb.targets[mine], attention=attention, offset=lo)
+        # this rank's tokens in place, 0 elsewhere; summed over the group
+        return tuple(_SumOverGroup.apply(torch.zeros(mine.shape, dtype=x.dtype, device=x.device).masked_scatter(mine, x),
+                                         _sp_group) for x in tokens(lm, part, temperature))
+    return run
 
 
 def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group) -> torch.Tensor:

@@ -74,7 +74,7 @@ def evaluate_before_training(engine, tokenizer, eval_rows, cfg: Config, judge, s
             "mpt/masked_frac": None, "rollout/unfinished": 0, "tokens/generated": 0, **ev}
 
 
-def sync_weights(engine, lm, dtype: str, replicas: int = 1) -> None:
+def sync_weights(engine, lm, dtype: str, ranks, replicas: int = 1) -> None:
     """Step 7, the one place new weights reach the engine: rank 0's engine takes the trainer's module (vLLM
     through its weight-transfer API, weight_sync.py); the weights are gathered from the FSDP shards a layer
     at a time, cast to the run's `dtype` first (fp32 masters travel as bf16), and every other rank takes its
@@ -83,7 +83,7 @@ def sync_weights(engine, lm, dtype: str, replicas: int = 1) -> None:
         engine.update_weights(lm)
     else:
         for _ in range(replicas):
-            distributed.gather_only(lm, model_lib.DTYPES[dtype])
+            ranks.gather_for_lead(lm, model_lib.DTYPES[dtype])
 
 
 # ----------------------------------------------------------------------------------------- logging
@@ -209,6 +209,12 @@ class Run:
     def reset_reference(self) -> None:  # ProRL: reference <- policy, fresh AdamW moments
         ulorl.reset_reference(self.lm, self.ref_lm, self.opt, self.ref)
 
+    def watch(self) -> Watch:  # the step's engine/trainer gap check (engine_gap.py), fed by the update
+        return Watch(self.cfg, self.state.engine_kl, self.lm)
+
+    def memory_peaks(self) -> dict:  # the memory/* metrics
+        return placement.memory_peaks(self.cfg, self.host_before)
+
 
 def claim_out(cfg: Config, lead: bool) -> tuple[str | None, object]:
     """--out before anything loads: the checkpoint --resume names (None: a fresh run) and rank 0's lock, one run
@@ -284,7 +290,7 @@ def finish_step(run: Run, step: int, batch, record: dict, t_roll: float, t0: flo
     if cfg.eval_data and cfg.eval_every and (step == cfg.steps or step % cfg.eval_every == 0):
         if lead:
             record.update(held_out(run.engine, run.tokenizer, run.eval_rows, cfg, run.judge))
-        if distributed.broadcast(lead and ulorl.stalled(run.state, record["eval/accuracy"], cfg.ref_reset_on_stall)):
+        if run.ranks.from_lead(lead and ulorl.stalled(run.state, record["eval/accuracy"], cfg.ref_reset_on_stall)):
             run.reset_reference()
             record["train/ref_reset"] = 1
     if not lead:
@@ -316,16 +322,16 @@ def main(cfg: Config) -> None:
         t_roll = time.time() - t0
         if lead:  # the engine pauses, or (--overlap) decodes the next step's rollout during this update
             rollouts.hand_over(batch, step)
-        groups, probing, stop_now = distributed.broadcast((batch.groups, batch.probing, stop[0] if stop else "")
+        groups, probing, stop_now = run.ranks.from_lead((batch.groups, batch.probing, stop[0] if stop else "")
                                                         if lead else None)
         record = batch.record if lead else {}  # the step's metrics.jsonl record: the rollout's counts first
         # every rank takes the probe when the update asks for it (after its own pass over the batch)
-        probe = (lambda: distributed.broadcast(rollouts.probe() if lead else None)) if probing else None
+        probe = (lambda: run.ranks.from_lead(rollouts.probe() if lead else None)) if probing else None
 
         # 5-6. pi_old, reference log-probs and DMMPT mask, the clipped loss, the optimizer (each rank its share)
         record.update(ulorl.update(run.policy, run.ref, run.opt, run.sched, groups, state.version,
-                                   run.tokenizer.pad_token_id, cfg, run.ranks, Watch(cfg, state.engine_kl), probe))
-        record.update(placement.memory_peaks(cfg, run.host_before))
+                                   run.tokenizer.pad_token_id, cfg, run.ranks, run.watch(), probe))
+        record.update(run.memory_peaks())
         ulorl.after_update(record, state, cfg, warn=lead)  # the policy version advances if the weights changed
         if cfg.ref_reset_every and step % cfg.ref_reset_every == 0:
             run.reset_reference()  # ProRL: reference <- policy, fresh AdamW moments
@@ -335,10 +341,10 @@ def main(cfg: Config) -> None:
         if lead:  # the rollout decoding ahead ends (--overlap), the engine resumes
             record.update(rollouts.take_back())
         if cfg.overlap:  # the other ranks wait for it here, with no timeout: in the sync's gathers NCCL's watchdog
-            distributed.barrier()  # would end the run (--dist-timeout)
+            run.ranks.wait_for_lead()  # would end the run (--dist-timeout)
         if record["train/optimizer_steps"]:
             t_sync = time.time()
-            sync_weights(engine, run.lm, cfg.dtype, cfg.rollout_replicas or 1)
+            sync_weights(engine, run.lm, cfg.dtype, run.ranks, cfg.rollout_replicas or 1)
             record["time/sync_s"] = time.time() - t_sync
         state.step = step
 

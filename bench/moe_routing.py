@@ -63,7 +63,7 @@ def routing_point(spec: str, dtype: str, args) -> dict:
         for idx in model_lib.micro_batches(samples, args.micro_batch_tokens, pack=bool(args.pack)):
             mb = model_lib.collate([samples[i] for i in idx], 0, pack=bool(args.pack))
             count_micro_batch(lm, routing, mb, n, per_layer, gaps)
-    routing.recorded = routing.replay = routing.tally = None
+    routing.recorded = routing.replay = routing.tally = routing.counting = None
     own, rep = k3_gaps(torch.cat(gaps["own"])), k3_gaps(torch.cat(gaps["replay"]))
     return {"experts": experts, "top_k": top_k, "layers": layers, "hidden": hidden, "dtype": dtype,
             "positions": n["positions"], "decisions": n["positions"] * layers,
@@ -82,14 +82,18 @@ def count_micro_batch(lm, routing, mb, n: dict, per_layer: torch.Tensor, gaps: d
     """One micro-batch of routing_point: the trainer's forward with its own routing, then with the engine's
     replayed, each against the engine's experts; adds to the counts `n`, `per_layer` and the gaps."""
     import model as model_lib
-    engine_ids, replay = mb.replay.long(), mb.replay  # [layers, rows x L, top_k]; -1: not routed by the engine
+    from routing import replay_layout
+    layout, versions = replay_layout(mb.samples, mb.starts)  # [layers, positions, top_k]; -1: not routed by the engine
+    engine_ids = layout.new_full((layout.shape[0], mb.input_ids.numel(), layout.shape[2]), -1)  # [layers, rows x L, top_k]
+    engine_ids[:, :layout.shape[1]] = layout
+    engine_ids = engine_ids.long()
     routed = engine_ids[0, :, 0] >= 0
     predicts = torch.zeros_like(routed)  # the positions that predict a response token
     predicts[mb.rows * mb.input_ids.shape[1] + mb.cols] = True
     decode = (predicts & predicts.roll(1))[routed]  # all but the first of each sample's: the prefill's last
     for mode in ("own", "replay"):
-        mb.replay = replay if mode == "replay" else None
-        mb.tally = {"version": 0, "differ": 0, "compared": 0} if mode == "replay" else None
+        routing.counting = {"version": 0, "differ": 0, "compared": 0} if mode == "replay" else None
+        routing.use(layout if mode == "replay" else None, 0, mb.input_ids.numel(), versions)
         routing.recorded = []
         lp = model_lib.response_logprobs(lm, mb, 1.0)[0]
         used = torch.stack(routing.recorded)[:, routed]  # [layers, positions, top_k]
@@ -97,8 +101,8 @@ def count_micro_batch(lm, routing, mb, n: dict, per_layer: torch.Tensor, gaps: d
         gaps[mode].append((lp.double() - mb.behaviour.double())[mb.resp_mask])
         if mode == "replay":
             n["replay_differ"] += int(differ.sum())
-            n["tally_differ"] += mb.tally["differ"]
-            n["tally_compared"] += mb.tally["compared"]
+            n["tally_differ"] += routing.counting["differ"]
+            n["tally_compared"] += routing.counting["compared"]
             continue
         n["positions"] += differ.shape[1]
         n["decode"] += int(decode.sum())

@@ -29,9 +29,10 @@ def _sp_worker(rank: int, world: int, port: int, lengths: list[int], rounds: int
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     seqpar.init_sequence_parallel(world)
-    group = seqpar._sp_group
     lm = tiny.make_long_context_model(max(lengths))
     lm.config._attn_implementation = seqpar.attention_name("sdpa", world)
+    forwards = {"sp": model_lib.Policy(lm, seqpar.sliced(model_lib.response_tokens)),  # this rank's slice of a row
+                "data": model_lib.Policy(lm, seqpar.sliced(model_lib.response_tokens, split=False))}  # whole rows
 
     def seq(i, n):
         g = torch.Generator().manual_seed(i)
@@ -41,10 +42,9 @@ def _sp_worker(rank: int, world: int, port: int, lengths: list[int], rounds: int
         return s
 
     def step(variant, n):
-        seqpar._sp_group = group if variant == "sp" else None
         mbs = [[seq(0, n)], [seq(1, n)]] if variant == "sp" else [[seq(rank, n)]]
         for mb in mbs:
-            lp, _ = model_lib.response_logprobs(lm, model_lib.collate(mb, 0, pack=True), 1.0)
+            lp, _ = forwards[variant](model_lib.collate(mb, 0, pack=True), 1.0)
             lp.sum().backward()
         lm.zero_grad(set_to_none=True)
 

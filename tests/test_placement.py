@@ -193,10 +193,9 @@ def test_the_plan_chooses_the_least_that_fits():
 def test_routing_replay_at_the_papers_scale(hub_env):
     """--routing-replay on Qwen3-30B-A3B (48 MoE layers, top-8 of 128 experts) under the ulorl preset, by hand:
     rank 0's host keeps 48 x 8 x 1 byte = 384 bytes a token (uint8 ids) of the 1024 samples in flight at 133120
-    tokens, every rank the step's batch's twice (held, pickled) and, for its share of the batch (--sp 2: 3 data
-    ranks, 342 whole samples), 48 x 8 x 2 + 8 = 776 bytes a token (int16 ids, an int64 version: every micro-batch
-    of the step is collated before the update) and the router's copy of its 66560-token slice; the GPU only the
-    running layer's slice (int64). Past 256 experts ids take two bytes; a dense model or the flag off adds
+    tokens, every rank the step's batch's twice (held, pickled) and, for the running micro-batch's whole row,
+    48 x 8 x 2 + 8 = 776 bytes a token (int16 ids, an int64 version) and the router's copy of its 66560-token
+    slice (--sp 2); the GPU only the running layer's slice (int64). Past 256 experts ids take two bytes; a dense model or the flag off adds
     nothing. The headline's plan chooses as without it: an H200 with offload, and 80 GB with offload and --sp 2."""
     from transformers import AutoConfig, Qwen2Config
     shape = plan_lib.Shape.of(AutoConfig.from_pretrained(QWEN3_30B))
@@ -207,7 +206,7 @@ def test_routing_replay_at_the_papers_scale(hub_env):
     assert shape.layers * shape.experts_per_token == 384 and routing_dtype(shape.experts).itemsize == 1
     assert plan.host["routing records (rank 0)"] == 1024 * full * 384 == 48.75 * 2**30
     assert plan.host["batch's routing (every rank)"] == 2 * 1024 * full * 384
-    assert plan.host["routing replay ids (every rank)"] == 342 * full * 776 + 66560 * 768  # 32.95 GiB
+    assert plan.host["routing replay ids (every rank)"] == full * 776 + 66560 * 768  # 147 MiB
     assert plan.trainer["routing replay ids"] == 66560 * 8 * 8
     wide = plan_lib.make_plan(dataclasses.replace(shape, experts=512), cfg, 6, 2, True)
     assert routing_dtype(512).itemsize == 2 and wide.host["routing records (rank 0)"] == 1024 * full * 768
@@ -228,5 +227,5 @@ def test_routing_replay_at_the_papers_scale(hub_env):
                env=hub_env)
     assert h200.returncode == 0, h200.stderr[-2000:]
     assert "--sp 2, --offload-optimizer true," in h200.stdout and "verdict: fits in 131.3 GiB" in h200.stdout
-    assert "routing replay ids (every rank)   32.950 GiB" in h200.stdout
+    assert "routing replay ids (every rank)    0.144 GiB" in h200.stdout
     assert "routing records (rank 0)         48.750 GiB" in h200.stdout, h200.stdout

@@ -18,7 +18,7 @@ from conftest import run, together
 import checkpoint
 import distributed
 from distributed import Ranks
-from routing import Routing, routing_dtype
+from routing import Routing, replay_layout, routing_dtype
 import model as model_lib
 import placement
 import plan as plan_lib
@@ -223,10 +223,9 @@ def test_host_bytes_per_token_are_what_a_sample_holds():
 
 def test_routing_replay_items_are_what_the_step_holds(moe_dir):
     """--routing-replay's items against the tensors themselves, on the tiny MoE (2 layers, top-2 of 4 experts) at
-    full length: each rank's host holds every micro-batch ulorl.plan_micro_batches collates for the step (in one
-    process the whole batch, each with its int16 replay ids and int64 versions, never moved to the device) plus
-    the router's copy of one micro-batch; a sample's routing is layers x top_k bytes a position, pickled whole
-    for the broadcast."""
+    full length: a forward's host holds the running micro-batch's int16 replay ids and int64 versions
+    (routing.replay_layout, never moved to the device) plus the router's copy of them; a sample's routing is
+    layers x top_k bytes a position, pickled whole for the broadcast."""
     import dataclasses
     import pickle
     import config
@@ -244,12 +243,14 @@ def test_routing_replay_items_are_what_the_step_holds(moe_dir):
                for i in range(6)]
     plan = plan_lib.make_plan(shape, cfg, 1, 1, False)
     mbs = [mb for mini in ulorl.plan_micro_batches(samples, torch.zeros(6), 0, cfg, Ranks()) for mb in mini]
-    held = sum(mb.replay.nbytes + mb.replay_versions.nbytes for mb in mbs)
+    layouts = [replay_layout(mb.samples, mb.starts) for mb in mbs]
+    held = max(ids.nbytes + versions.nbytes for ids, versions in layouts)
     T = max(cfg.max_tokens_per_micro_batch, full)
-    assert held == 6 * full * (routed * 2 + 8) and plan.host["routing replay ids (every rank)"] == held + T * routed * 2
+    assert held == 2 * full * (routed * 2 + 8) <= T * (routed * 2 + 8)  # two samples a micro-batch of 64 tokens
+    assert plan.host["routing replay ids (every rank)"] == T * (routed * 2 + 8) + T * routed * 2
     assert plan.trainer["routing replay ids"] == T * 2 * 8  # the running layer's [tokens, top_k] int64 slice
     routing = Routing(lm)
-    model_lib.response_logprobs(lm, mbs[0], 1.0)
+    model_lib.wrap(lm, "none")(mbs[0], 1.0)
     assert routing.replay.nbytes == mbs[0].input_ids.numel() * routed * 2 <= T * routed * 2
     slots = cfg.prompts_per_step * cfg.group_size
     assert plan.host["routing records (rank 0)"] == slots * full * routed  # uint8: one byte an id

@@ -18,7 +18,7 @@ import torch
 import config
 from distributed import Ranks
 from engine_gap import Watch
-from routing import Routing, routing_mismatch
+from routing import Routing, replay_layout, routing_mismatch
 import model as model_lib
 import tiny
 import ulorl
@@ -175,9 +175,10 @@ def test_every_trainer_forward_uses_the_engines_experts(routes):
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-3)
     out = ulorl.update(model_lib.wrap(lm, "none"), model_lib.wrap(ref_lm, "none", trainable=False), opt,
                        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), groups, 0, tok.pad_token_id, cfg,
-                       Ranks(), Watch(cfg, []))
+                       Ranks(), Watch(cfg, [], lm))
     samples = [s for g in groups for s in g]
-    want = model_lib.collate(samples, tok.pad_token_id, pack=True).replay.long()  # [layers, tokens, top_k]
+    mb = model_lib.collate(samples, tok.pad_token_id, pack=True)
+    want = replay_layout(mb.samples, mb.starts)[0].long()  # [layers, tokens, top_k]
     assert (want >= 0).all(dim=-1).sum() == sum(len(s.prompt_ids) + len(s.tokens) - 1 for s in samples) * 2
     # the layers' router calls: pi_old, the loss's forward, the backward's recompute (last layer first); reference
     layers = {"policy": [0, 1, 0, 1, 1, 0], "reference": [0, 1]}
@@ -200,10 +201,11 @@ def test_replay_off_in_a_forward_without_routing():
     lm = moe()
     groups = rolled_out(lm, tok, "random")
     samples = [s for g in groups for s in g]
-    replayed = model_lib.response_logprobs(lm, model_lib.collate(samples, tok.pad_token_id), 1.0)[0]
+    policy = model_lib.wrap(lm, "none")  # the trainer's forward: through the engine's experts where it has them
+    replayed = policy(model_lib.collate(samples, tok.pad_token_id), 1.0)[0]
     for s in samples:
         s.routing = None
-    own = model_lib.response_logprobs(lm, model_lib.collate(samples, tok.pad_token_id), 1.0)[0]
+    own = policy(model_lib.collate(samples, tok.pad_token_id), 1.0)[0]
     Routing.of(lm).replay = None
     plain = model_lib.response_logprobs(lm, model_lib.collate(samples, tok.pad_token_id), 1.0)[0]
     assert torch.equal(own, plain) and not torch.allclose(own, replayed)

@@ -412,3 +412,51 @@ def test_the_algorithm_s_file_names_nothing_of_the_systems():
         assert systems_names(changed) == {"import seqpar", "optimize: sp"}
     finally:
         os.remove(changed)
+
+
+# What the README's step table sends a reader into, file by file (None: all of it), in the reading order
+READING_ORDER = {
+    "train.py": ["main", "next_batch", "sync_weights", "finish_step", "step_metrics", "held_out"],
+    "rollouts.py": ["Batch", "Rollouts.next", "Rollouts.until_ready", "Rollouts.draw", "Rollouts.round"],
+    "segment_rollout.py": None,
+    "reward.py": ["score_samples", "overlong_reward"],
+    "ulorl.py": None,
+    "model.py": ["MicroBatch", "micro_batches", "collate", "response_tokens", "response_logprobs", "Policy"],
+    "loss.py": None,
+}
+RECORDS = {"Sampling"}  # engine.Sampling: the sampling settings, a plain record
+
+
+def reading_order_lines() -> int:
+    import ast
+    total = 0
+    for name, functions in READING_ORDER.items():
+        text = open(os.path.join(ROOT, name)).read()
+        if functions is None:
+            total += len(text.splitlines())
+            continue
+        spans = {}
+        for node in ast.parse(text).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                spans[node.name] = (node.lineno, node.end_lineno)
+                for sub in node.body if isinstance(node, ast.ClassDef) else []:
+                    if isinstance(sub, ast.FunctionDef):
+                        spans[f"{node.name}.{sub.name}"] = (sub.lineno, sub.end_lineno)
+        total += sum(spans[f][1] - spans[f][0] + 1 for f in functions)
+    return total
+
+
+def test_the_reading_order_names_nothing_of_the_systems_and_the_readme_counts_it():
+    """No function a reader of one step goes through calls into the ranks, sequence parallelism, routing
+    replay or the engine's files (the trainer hands the update what it needs of them); the README's line count
+    of the reading order is the real one, within 5%."""
+    import re
+    for name, functions in READING_ORDER.items():
+        used = systems_names(os.path.join(ROOT, name), {f.split(".")[-1] for f in functions or []} or None)
+        assert {u for u in used if not u.startswith("import ") and u.split(": ")[1] not in RECORDS} == set(), name
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    claimed = re.search(r"## Reading order\n\n.*?about ([\d,]+) lines in (\d+) files", readme, re.S)
+    assert claimed, "the README's reading order gives no count"
+    lines = reading_order_lines()
+    assert abs(int(claimed[1].replace(",", "")) - lines) <= 0.05 * lines, (claimed[1], lines)
+    assert int(claimed[2]) == len(READING_ORDER)
