@@ -110,6 +110,30 @@ class Sum(float):
     """A metric whose step value is its sum over micro-batches and ranks."""
 
 
+class Covariance(float):
+    """A metric that is the covariance of x and y over a step's N items, or the part of it that a subset of them
+    carries: the subset's sum of (x - mean x)(y - mean y) over N, the means over all N items, so that the parts of
+    disjoint subsets add up to the whole. It carries its sums, so that micro-batches and ranks add up to the step's
+    value. Cui et al. 2025 (arXiv 2505.22617): a policy-gradient step lowers the entropy by about the covariance
+    of the sampled tokens' log-probs and their advantages; tokens that are likely and rewarded push it down."""
+
+    def __new__(cls, x: torch.Tensor, y: torch.Tensor, subset: torch.Tensor | None = None):
+        x, y = x.double().flatten(), y.double().flatten()
+        s = torch.ones_like(x, dtype=torch.bool) if subset is None else subset.flatten()
+        n = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
+        return cls.of(torch.stack([n, x.sum(), y.sum(), (x * y)[s].sum(), x[s].sum(), y[s].sum(),
+                                   s.sum().double()]).tolist())
+
+    @classmethod
+    def of(cls, sums: list[float]) -> "Covariance":
+        """From its sums (n, sum x, sum y, and over the subset: sum xy, sum x, sum y, its count)."""
+        n, sx, sy, sxy, mx, my, m = sums
+        mean_x, mean_y = sx / max(n, 1), sy / max(n, 1)
+        self = super().__new__(cls, (sxy - mean_y * mx - mean_x * my + m * mean_x * mean_y) / max(n, 1))
+        self.sums = tuple(float(v) for v in sums)
+        return self
+
+
 LOG_RATIO_CLAMP = 20.0  # log-ratios (and the KL's log-ratio) are clamped to +-20 before exp, as verl does: finite
 KL_CLAMP = 10.0  # ... and k3 to at most 10 (verl's low_var_kl)
 

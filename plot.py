@@ -8,7 +8,8 @@ the legend names its directory). Null values (the step-0 record has no training 
     python plot.py runs/tiny --keys loss/kl,clip/high_frac   # any metrics.jsonl keys, one panel each: KEYS.png
 
 Writes reward.png (rollout reward and held-out accuracy), entropy.png (with DMMPTs' target sigma from the
-first run's config), masked.png (tokens DMMPTs drop from the policy-gradient term; tokens --overlong filter
+first run's config), entropy_cov.png (the covariance of log-prob and advantage, and the parts of it the tokens
+DMMPTs mask and those that train carry), masked.png (tokens DMMPTs drop from the policy-gradient term; tokens --overlong filter
 drops from the loss), length.png (mean and max response tokens), unfinished.png (the unfinished pool, and the
 trained samples that took more than one segment), step_time.png and eval.png (accuracy, mean length,
 truncation rate of every evaluation); for a run that mixes domains, reward_by_verifier.png (the mean reward
@@ -31,6 +32,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 FIGURES = {
     "reward.png": [("reward and held-out accuracy", [("reward/mean", "-"), ("eval/accuracy", "o--")])],
     "entropy.png": [("mean token entropy (line: target sigma)", [("entropy/mean", "-")])],
+    "entropy_cov.png": [("Cov(log-prob, advantage): what a step takes from the entropy",
+                         [("entropy/cov", "-"), ("entropy/cov_masked", "--"), ("entropy/cov_trained", ":")])],
     "masked.png": [("response tokens out of the policy-gradient term (DMMPTs)", [("mpt/masked_frac", "-")]),
                    ("response tokens out of the loss (--overlong filter)", [("overlong/filtered_frac", "-")])],
     "length.png": [("response tokens (trained samples)", [("response/mean_len", "-"), ("response/max_len", ":")])],

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 import model as model_lib
-from loss import Max, Mean, Sum, group_advantages, mpt_mask, old_logprobs, policy_loss
+from loss import Covariance, Max, Mean, Sum, group_advantages, mpt_mask, old_logprobs, policy_loss
 from model import MicroBatch
 
 
@@ -161,11 +161,11 @@ def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg, ranks
 
 class Tally:
     """The step's metrics over micro-batches and ranks, each added once where it is computed: Mean totals and
-    counts add up, Sum values add up, Max values take the largest. `counted` False (an empty stand-in, a
+    counts add up, Sum values add up, Max values take the largest, Covariance sums add up. `counted` False (an empty stand-in, a
     sequence-parallel group's other ranks) adds nothing but the key, so that every rank reduces the same keys."""
 
     def __init__(self):
-        self.means, self.sums, self.maxes = {}, {}, {}
+        self.means, self.sums, self.maxes, self.covs = {}, {}, {}, {}
 
     def add(self, metrics: dict, counted: bool = True) -> None:
         for k, m in metrics.items():
@@ -173,6 +173,8 @@ class Tally:
                 self.maxes[k] = max(self.maxes.get(k, 0.0), m if counted else 0.0)
             elif isinstance(m, Sum):
                 self.sums[k] = self.sums.get(k, 0.0) + (m if counted else 0.0)
+            elif isinstance(m, Covariance):
+                self.covs[k] = [a + (b if counted else 0.0) for a, b in zip(self.covs.get(k, [0.0] * 7), m.sums)]
             else:
                 total, count = self.means.get(k, (0.0, 0.0))
                 self.means[k] = (total + m.total, count + m.count) if counted else (total, count)
@@ -180,9 +182,11 @@ class Tally:
     def reduce(self, ranks) -> dict:
         """Every rank's, combined (every rank calls it)."""
         totals = ranks.sum({(k, part): v[i] for k, v in self.means.items() for i, part in enumerate(("total", "n"))}
-                           | {(k, "sum"): v for k, v in self.sums.items()})
+                           | {(k, "sum"): v for k, v in self.sums.items()}
+                           | {(k, f"c{i}"): v for k, sums in self.covs.items() for i, v in enumerate(sums)})
         out = {k: totals[k, "total"] / max(totals[k, "n"], 1) for k in self.means}
-        return out | {k: totals[k, "sum"] for k in self.sums} | {k: ranks.max(v) for k, v in self.maxes.items()}
+        return (out | {k: totals[k, "sum"] for k in self.sums} | {k: ranks.max(v) for k, v in self.maxes.items()}
+                | {k: Covariance.of([totals[k, f"c{i}"] for i in range(7)]) for k in self.covs})
 
 
 @torch.no_grad()
@@ -202,11 +206,17 @@ def old_ref_and_masks(policy, ref, minis: list[list[MicroBatch]], version: int, 
             mb.loss_mask, mb.pg_mask = token_masks(mb, current, entropy, cfg)
             counted = not mb.empty and ranks.counted
             tokens = int(mb.resp_mask.sum())
+            # the covariance of the log-prob of each token the loss averages over and its advantage, and the
+            # parts of it the tokens DMMPTs mask and those that train carry (the entropy the step would take away)
+            lp, adv = current[mb.loss_mask], mb.adv[:, None].expand_as(current)[mb.loss_mask]
+            masked = ~mb.pg_mask[mb.loss_mask]
             tally.add({"entropy/mean": Mean(entropy[mb.resp_mask].sum().item(), tokens),
                        # of the response tokens: dropped from the policy-gradient term by DMMPTs (still in the
                        # denominator and the KL), and left out of the loss whole by --overlong filter
                        "mpt/masked_frac": Mean(int(mb.loss_mask.sum()) - int(mb.pg_mask.sum()), tokens),
-                       "overlong/filtered_frac": Mean(tokens - int(mb.loss_mask.sum()), tokens)}, counted)
+                       "overlong/filtered_frac": Mean(tokens - int(mb.loss_mask.sum()), tokens),
+                       "entropy/cov": Covariance(lp, adv), "entropy/cov_masked": Covariance(lp, adv, masked),
+                       "entropy/cov_trained": Covariance(lp, adv, ~masked)}, counted)
             if watch and counted:
                 watch.add(mb, current)
 

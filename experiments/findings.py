@@ -152,6 +152,10 @@ def common_numbers(runs: dict, steps: int) -> dict:
                   "clip_frac": spread([window_mean(rs, "clip/low_frac", 1, steps) + window_mean(rs, "clip/high_frac", 1, steps)
                                        + window_mean(rs, "clip/dual_frac", 1, steps) for rs in seeds]),
                   "masked_frac": spread([window_mean(rs, "mpt/masked_frac", 1, steps) for rs in seeds]),
+                  # the covariance of log-prob and advantage (what a step takes from the entropy), and the part of
+                  # it on the tokens DMMPTs mask, over all steps
+                  "cov": spread([window_mean(rs, "entropy/cov", 1, steps) for rs in seeds]),
+                  "cov_masked": spread([window_mean(rs, "entropy/cov_masked", 1, steps) for rs in seeds]),
                   "run_s": spread(run_seconds(seeds))}
     return out
 
@@ -181,13 +185,19 @@ def print_table(numbers: dict, keys: list[str]) -> None:
 
 def finding_dmmpt(runs: dict, steps: int, figure: str) -> dict:
     numbers = common_numbers(runs, steps)
-    print_table(numbers, ["eval_first", "eval_last", "entropy_first10", "entropy_last20", "masked_frac"])
+    print_table(numbers, ["eval_first", "eval_last", "entropy_first10", "entropy_last20", "masked_frac", "cov",
+                          "cov_masked"])
     plot.panel_figure([
         {"title": "mean token entropy (trailing mean of 5 steps)", "xlabel": "step", "lines": curves(runs, "entropy/mean", 5),
          "hlines": {f"sigma {SIGMA}": SIGMA}},
         {"title": eval_title(runs), "xlabel": "step", "lines": curves(runs, "eval/accuracy"),
          "style": "o-"},
         {"title": "tokens masked by DMMPTs (trailing mean of 5)", "xlabel": "step", "lines": curves(runs, "mpt/masked_frac", 5)},
+        {"title": "Cov(log-prob, advantage): all (solid), masked tokens' part (dashed)", "xlabel": "step",
+         "lines": curves(runs, "entropy/cov", 5) | {f"{v}: masked": line for v, line in
+                                                    curves(runs, "entropy/cov_masked", 5).items()},
+         "styles": {f"{v}: masked": "--" for v in runs}, "colors": {**{v: v for v in runs},
+                                                                     **{f"{v}: masked": v for v in runs}}},
     ], figure, "DMMPTs off / static / dynamic: mean over seeds, band = lowest to highest seed")
     return numbers
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from loss import group_advantages, kl_k3, mpt_mask, old_logprobs, policy_loss, tis_weights, token_logprobs
+from loss import Covariance, group_advantages, kl_k3, mpt_mask, old_logprobs, policy_loss, tis_weights, token_logprobs
 
 EPS_LOW, EPS_HIGH = 0.2, 0.4  # ProRL's decoupled clip
 
@@ -658,3 +658,23 @@ def test_log_ratio_and_kl_are_clamped():
     # d = 1 -> e - 2 = 0.718 (unclamped)
     k = kl_k3(torch.tensor([0.0, 0.0, 0.0]), torch.tensor([50.0, -50.0, 1.0]))
     torch.testing.assert_close(k, torch.tensor([10.0, 10.0, math.e - 2]))
+
+
+# 13. the covariance of log-prob and advantage (the entropy mechanism), and the part a subset carries
+
+def test_covariance_hand_values_and_its_parts():
+    # log-probs x = [0, -1, -2, -1] (mean -1), advantages y = [1, 1, -1, -1] (mean 0): centred products
+    # [1 * 1, 0 * 1, -1 * -1, 0 * -1] = [1, 0, 1, 0], so Cov = 2 / 4 = 0.5; the subset {0, 3} carries (1 + 0) / 4
+    # and the rest {1, 2} (0 + 1) / 4
+    x, y = torch.tensor([0.0, -1.0, -2.0, -1.0]), torch.tensor([1.0, 1.0, -1.0, -1.0])
+    subset = torch.tensor([True, False, False, True])
+    assert Covariance(x, y) == pytest.approx(0.5) and Covariance(x, y, subset) == pytest.approx(0.25)
+    assert Covariance(x, y, ~subset) == pytest.approx(0.25)
+    # a likely token with a positive advantage pushes it up: x = [0, -2], y = [1, -1] -> (1 * 1 + -1 * -1) / 2 = 1
+    assert Covariance(torch.tensor([0.0, -2.0]), torch.tensor([1.0, -1.0])) == pytest.approx(1.0)
+    # split into two micro-batches, the sums add up to the whole (not the mean of the parts' covariances)
+    a, b = Covariance(x[:1], y[:1], subset[:1]), Covariance(x[1:], y[1:], subset[1:])
+    assert Covariance.of([u + v for u, v in zip(a.sums, b.sums)]) == pytest.approx(0.25)
+    a, b = Covariance(x[:1], y[:1]), Covariance(x[1:], y[1:])
+    assert a == 0 and Covariance.of([u + v for u, v in zip(a.sums, b.sums)]) == pytest.approx(0.5)
+    assert Covariance(x[:0], y[:0]) == 0  # nothing to average over

@@ -267,6 +267,34 @@ def test_update_divides_by_every_response_token_under_dmmpts(tok, multi_version)
     assert out["mpt/masked_frac"] == pytest.approx(1 - keep.sum().item() / mb.resp_mask.sum().item())
 
 
+def test_update_logs_the_covariance_of_log_prob_and_advantage_and_the_part_dmmpts_mask(tok, multi_version):
+    """entropy/cov over every response token of the step, against a naive loop over the tokens (the same
+    log-probs, pi at the update's weights), and its parts on the tokens DMMPTs mask and on the rest, over
+    micro-batches of a few samples each."""
+    policy, groups, _ = multi_version
+    policy = copy.deepcopy(policy)
+    samples = [s for g in groups for s in g]
+    cfg = config.parse_config(["--mpt", "static", "--mpt-tau", "0.05", "--segments", "1", "--max-response-len", "64",
+                               "--max-tokens-per-micro-batch", "64"])
+    mb = model_lib.collate(samples, tok.pad_token_id)
+    with torch.no_grad():
+        current, entropy = model_lib.response_logprobs(policy.eval(), mb, cfg.temperature)
+    keep = loss.mpt_mask(current, entropy, mb.rewards, mb.resp_mask, 0.05, math.inf)
+    adv = ulorl.sample_advantages(groups)
+    tokens = [(current[i, t].item(), adv[i].item(), bool(keep[i, t]))
+              for i in range(len(samples)) for t in range(len(samples[i].tokens))]
+    mean_lp, mean_adv = (sum(v[j] for v in tokens) / len(tokens) for j in (0, 1))
+    part = lambda pick: sum((lp - mean_lp) * (a - mean_adv) for lp, a, k in tokens if pick(k)) / len(tokens)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+    assert len(ulorl.plan_micro_batches(samples, adv, tok.pad_token_id, cfg, Ranks())[0]) > 2
+    out = ulorl.update(model_lib.wrap(policy, "none"), None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                       groups, 2, tok.pad_token_id, cfg, Ranks())
+    assert out["entropy/cov"] == pytest.approx(part(lambda k: True), rel=1e-5, abs=1e-9)
+    assert out["entropy/cov_masked"] == pytest.approx(part(lambda k: not k), rel=1e-5, abs=1e-9)
+    assert out["entropy/cov_trained"] == pytest.approx(part(lambda k: k), rel=1e-5, abs=1e-9)
+    assert out["entropy/cov_masked"] != 0 and out["entropy/cov_trained"] != 0
+
+
 def _sample(uid, seg_versions, seg_lens):
     versions = [v for v, n in zip(seg_versions, seg_lens) for _ in range(n)]
     starts = [sum(seg_lens[:i]) for i in range(len(seg_lens))]
