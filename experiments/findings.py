@@ -5,6 +5,7 @@ and one JSON line with the numbers docs/findings.md quotes.
 
     python experiments/findings.py dmmpt      # DMMPTs off / static / dynamic, sigma inside the task's range
     python experiments/findings.py is         # TOIS (1 segment) / SAIS (4) / POIS (4): entropy, accuracy, clipping
+    python experiments/findings.py staleness  # TOIS / SAIS / POIS against how stale the trained tokens are
     python experiments/findings.py length     # held-out accuracy against --max-response-len 16 / 32 / 48 / 64
     python experiments/findings.py boundary   # ProRL: pass@1..64 before and after RL; KL + resets, prolonged
     python experiments/findings.py passk --models dmmpt/off   # pass@1..64 of the warm start and of finished
@@ -48,6 +49,7 @@ import tiny  # noqa: E402
 STEPS = 150
 PAPER_LR = ["--lr-final", "1"]
 SIGMA = 0.08  # the warm start's mean token entropy is ~0.11 and falls to ~0.04 under RL: the paper's 0.2 is never reached
+STALENESS_SEGMENTS = (1, 4, 8, 16)  # the staleness finding's doses
 BETA, RESET_EVERY = 0.1, 50  # KL coefficient and reset period of the prolonged runs (why these: docs/findings.md)
 FINDINGS = {
     "dmmpt": dict(steps=STEPS, common=[*PAPER_LR, "--mpt-sigma", str(SIGMA)], variants={
@@ -58,6 +60,13 @@ FINDINGS = {
     # segments of 16 tokens, as UloRL keeps 16k segments and adds more of them for longer outputs
     "length": dict(steps=STEPS, common=PAPER_LR, variants={
         f"len{n}": ["--max-response-len", str(n), "--segments", str(n // 16)] for n in (16, 32, 48, 64)}),
+    # the IS modes against how stale the trained tokens are: 4 groups a step out of 16 in flight, so finished groups
+    # wait in the ready queue and unfinished samples carry over, and more segments leave more of a sample to older
+    # weights (TOIS: one segment, no surplus kept, so nothing is stale)
+    "staleness": dict(steps=STEPS, common=[*PAPER_LR, "--train-groups", "4"], variants={
+        "tois-1seg": ["--is-mode", "tois", "--segments", "1"],
+        **{f"{mode}-{n}seg": ["--is-mode", mode, "--segments", str(n)] for mode in ("sais", "pois")
+           for n in STALENESS_SEGMENTS}}),
     # ProRL's recipe where it differs from the tiny default: no DMMPTs, decoupled clip 0.2 / 0.4
     "boundary": dict(steps=200, common=[*PAPER_LR, "--mpt", "off", "--eps-high", "0.4"], variants={
         "no-kl": [], "kl": ["--kl-coef", str(BETA)],
@@ -217,6 +226,31 @@ def finding_is(runs: dict, steps: int, figure: str) -> dict:
          "style": "o-"},
         {"title": "clipped token fraction (trailing mean of 5)", "xlabel": "step", "lines": clip},
     ], figure, "pi_old under segment rollout: mean over seeds, band = lowest to highest seed")
+    return numbers
+
+
+def finding_staleness(runs: dict, steps: int, figure: str) -> dict:
+    """Each IS mode's held-out accuracy, clipped fraction and late entropy against the mean staleness of its
+    trained tokens (policy versions behind the weights being updated), one point per dose (segments)."""
+    numbers = common_numbers(runs, steps)
+    for v, seeds in runs.items():
+        numbers[v]["staleness"] = spread([window_mean(rs, "staleness/token_mean", 1, steps) for rs in seeds])
+        numbers[v]["staleness_max"] = spread([max((r.get("staleness/token_max") or 0 for r in rs), default=0)
+                                              for rs in seeds])
+    print_table(numbers, ["staleness", "staleness_max", "eval_last", "clip_frac", "entropy_last20"])
+    panels = []
+    for key, title in (("eval_last", f"held-out accuracy, step {steps}"), ("clip_frac", "clipped token fraction"),
+                       ("entropy_last20", f"mean token entropy, steps {max(1, steps - 19)}-{steps}")):
+        lines = {}
+        for mode in ("tois", "sais", "pois"):
+            points = sorted((numbers[v]["staleness"]["mean"], numbers[v][key]) for v in runs if v.startswith(mode + "-"))
+            if points:
+                lines[mode] = ([x for x, _ in points], [y["mean"] for _, y in points],
+                               [min(y["seeds"]) for _, y in points], [max(y["seeds"]) for _, y in points])
+        panels.append({"title": title, "xlabel": "staleness/token_mean (versions, mean over the run)", "lines": lines,
+                       "style": "o-"})
+    plot.panel_figure(panels, figure, f"IS modes against staleness ({', '.join(map(str, STALENESS_SEGMENTS))} "
+                                      f"segments, 4 groups a step): mean over seeds, band = lowest to highest seed")
     return numbers
 
 
@@ -435,6 +469,8 @@ def main(argv=None) -> dict:
         numbers = finding_dmmpt(runs, steps, figure)
     elif args.finding == "is":
         numbers = finding_is(runs, steps, figure)
+    elif args.finding == "staleness":
+        numbers = finding_staleness(runs, steps, figure)
     elif args.finding == "length":
         numbers = finding_length(runs, steps, figure, root, seeds)
     elif args.finding == "boundary":

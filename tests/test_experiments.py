@@ -59,6 +59,28 @@ def test_a_finding_runs_end_to_end_and_reuses_its_runs(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_staleness_finding_puts_each_is_mode_against_the_staleness_it_trained_on(tmp_path):
+    """The staleness finding at a trivial size: its nine runs (TOIS, and SAIS and POIS at every dose), a staleness
+    per run read from the runs' own metrics, and one figure."""
+    cmd = [sys.executable, "experiments/findings.py", "staleness", "--seeds", "0", "--root", str(tmp_path),
+           "--steps", "2", "--eval-n", "8", "--eval-every", "2", "--prompts-per-step", "4", "--jobs", "2",
+           "--dynamic-sampling", "false"]
+    p = run(cmd, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    numbers = summary["numbers"]
+    assert set(numbers) == {"tois-1seg", *(f"{m}-{n}seg" for m in ("sais", "pois") for n in (1, 4, 8, 16))}
+    for variant, row in numbers.items():
+        with open(tmp_path / "staleness" / f"{variant}_s0" / "metrics.jsonl") as f:
+            records = [json.loads(line) for line in f]
+        trained = [r for r in records if r["step"] >= 1]
+        assert len(trained) == 2 and records[0]["config"]["train_groups"] == 4
+        assert row["staleness"]["mean"] == pytest.approx(sum(r["staleness/token_mean"] for r in trained) / 2)
+    assert numbers["tois-1seg"]["staleness"]["mean"] == 0  # TOIS trains nothing stale, by construction
+    assert open(tmp_path / "staleness" / "staleness.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
 def test_variants_of_ones_own_over_seeds(tmp_path):
     cmd = [sys.executable, "experiments/findings.py", "variants", "--variant", "kl=--kl-coef 0.1 --mpt off", "--seeds",
            "0", "--root", str(tmp_path), "--name", "mine", "--keys", "loss/kl,mpt/masked_frac,eval/accuracy",
