@@ -18,7 +18,7 @@ Your own study: named variants, each a string of train.py flags, over seeds, wit
         --seeds 0,1,2 --jobs 2 --name lr --keys eval/accuracy,reward/mean,entropy/mean
 
 A run that finished is not run again (delete its folder to redo it); one that was stopped continues from its
-newest checkpoint. `--jobs 2` runs two at a time (one thread each). Flags this script does not know go to
+newest checkpoint; `--only NAME,...` runs and reports some of a finding's variants. `--jobs 2` runs two at a time (one thread each). Flags this script does not know go to
 every train.py run, after the finding's own (the smoke test shrinks the runs this way: `--steps 2 ...`).
 The figure goes beside the runs (ROOT/FINDING/FINDING.png) unless `--figure` names a path; docs/findings.md
 gives the commands that redraw its figures.
@@ -434,6 +434,8 @@ def main(argv=None) -> dict:
     p.add_argument("--keys", default="eval/accuracy,reward/mean,entropy/mean",
                    help="variants: metrics.jsonl keys to draw and tabulate, comma-separated")
     p.add_argument("--models", default="dmmpt/off", help="passk: comma-separated FINDING/VARIANT runs under --root")
+    p.add_argument("--only", default="", metavar="VARIANTS",
+                   help="a finding: only these of its variants, comma-separated (e.g. tois-1seg,pois-16seg)")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds; each variant runs once per seed")
     p.add_argument("--root", default="runs/findings", help="runs go to ROOT/FINDING/VARIANT_sSEED")
     p.add_argument("--figure", default="", help="the figure's path (default: ROOT/FINDING/FINDING.png, beside "
@@ -462,6 +464,13 @@ def main(argv=None) -> dict:
         p.error(f"--variant is for 'variants'; {args.finding} has its own: {', '.join(FINDINGS[args.finding]['variants'])}")
     else:
         spec = FINDINGS[args.finding]
+    if args.only:
+        only = args.only.split(",")
+        if args.finding == "variants":
+            p.error("--only is for a finding; variants runs the --variant runs it is given")
+        if [v for v in only if v not in spec["variants"]]:
+            p.error(f"--only {args.only}: {args.finding} has the variants {', '.join(spec['variants'])}")
+        spec = dict(spec, variants={v: flags for v, flags in spec["variants"].items() if v in only})
     print(f"{name}: variants {list(spec['variants'])} x seeds {seeds} into {root}/{name}", flush=True)
     runs = run_all(name, spec, seeds, root, extra, args.jobs)
     steps = max(r["step"] for r in runs[next(iter(runs))][0])

@@ -60,16 +60,18 @@ def test_a_finding_runs_end_to_end_and_reuses_its_runs(tmp_path):
 
 @pytest.mark.slow
 def test_the_staleness_finding_puts_each_is_mode_against_the_staleness_it_trained_on(tmp_path):
-    """The staleness finding at a trivial size: its nine runs (TOIS, and SAIS and POIS at every dose), a staleness
-    per run read from the runs' own metrics, and one figure."""
-    cmd = [sys.executable, "experiments/findings.py", "staleness", "--seeds", "0", "--root", str(tmp_path),
-           "--steps", "2", "--eval-n", "8", "--eval-every", "2", "--prompts-per-step", "4", "--jobs", "2",
-           "--dynamic-sampling", "false"]
+    """The staleness finding at a trivial size, three of its nine runs (--only: TOIS, and SAIS and POIS at the
+    largest dose): a staleness per run read from the runs' own metrics, and one figure."""
+    doses = findings().FINDINGS["staleness"]["variants"]
+    assert set(doses) == {"tois-1seg", *(f"{m}-{n}seg" for m in ("sais", "pois") for n in (1, 4, 8, 16))}
+    cmd = [sys.executable, "experiments/findings.py", "staleness", "--only", "tois-1seg,sais-16seg,pois-16seg",
+           "--seeds", "0", "--root", str(tmp_path), "--steps", "2", "--eval-n", "8", "--eval-every", "2",
+           "--prompts-per-step", "4", "--jobs", "2", "--dynamic-sampling", "false"]
     p = run(cmd, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     numbers = summary["numbers"]
-    assert set(numbers) == {"tois-1seg", *(f"{m}-{n}seg" for m in ("sais", "pois") for n in (1, 4, 8, 16))}
+    assert set(numbers) == {"tois-1seg", "sais-16seg", "pois-16seg"}
     for variant, row in numbers.items():
         with open(tmp_path / "staleness" / f"{variant}_s0" / "metrics.jsonl") as f:
             records = [json.loads(line) for line in f]
@@ -97,6 +99,14 @@ def test_variants_of_ones_own_over_seeds(tmp_path):
     numbers = summary["numbers"]
     assert numbers["kl"]["loss/kl"]["mean"] > 0 and numbers["kl"]["mpt/masked_frac"]["mean"] == 0
     assert numbers["kl"]["eval/accuracy"]["mean"] is None  # no evaluation ran: none is made up
+
+
+def test_only_names_variants_of_the_finding(capsys):
+    for argv, why in ((["staleness", "--only", "pois-3seg"], "staleness has the variants tois-1seg, sais-1seg"),
+                      (["variants", "--variant", "a=", "--only", "a"], "--only is for a finding")):
+        with pytest.raises(SystemExit):
+            findings().main(argv)
+        assert why in capsys.readouterr().err
 
 
 def test_variants_are_name_equals_flags():
