@@ -161,8 +161,9 @@ def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg, ranks
 
 class Tally:
     """The step's metrics over micro-batches and ranks, each added once where it is computed: Mean totals and
-    counts add up, Sum values add up, Max values take the largest, Covariance sums add up. `counted` False (an empty stand-in, a
-    sequence-parallel group's other ranks) adds nothing but the key, so that every rank reduces the same keys."""
+    counts add up, Sum values add up, Max values take the largest, Covariance sums add up. `counted` False (an
+    empty stand-in, a sequence-parallel group's other ranks) adds nothing but the key, so that every rank reduces
+    the same keys."""
 
     def __init__(self):
         self.means, self.sums, self.maxes, self.covs = {}, {}, {}, {}
@@ -174,7 +175,8 @@ class Tally:
             elif isinstance(m, Sum):
                 self.sums[k] = self.sums.get(k, 0.0) + (m if counted else 0.0)
             elif isinstance(m, Covariance):
-                self.covs[k] = [a + (b if counted else 0.0) for a, b in zip(self.covs.get(k, [0.0] * 7), m.sums)]
+                self.covs[k] = [a + (b if counted else 0.0) for a, b in zip(self.covs.get(k, [0.0] * len(m.sums)),
+                                                                             m.sums)]
             else:
                 total, count = self.means.get(k, (0.0, 0.0))
                 self.means[k] = (total + m.total, count + m.count) if counted else (total, count)
@@ -186,7 +188,7 @@ class Tally:
                            | {(k, f"c{i}"): v for k, sums in self.covs.items() for i, v in enumerate(sums)})
         out = {k: totals[k, "total"] / max(totals[k, "n"], 1) for k in self.means}
         return (out | {k: totals[k, "sum"] for k in self.sums} | {k: ranks.max(v) for k, v in self.maxes.items()}
-                | {k: Covariance.of([totals[k, f"c{i}"] for i in range(7)]) for k in self.covs})
+                | {k: Covariance.of([totals[k, f"c{i}"] for i in range(len(sums))]) for k, sums in self.covs.items()})
 
 
 @torch.no_grad()
