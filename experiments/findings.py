@@ -8,6 +8,7 @@ and one JSON line with the numbers docs/findings.md quotes.
     python experiments/findings.py staleness  # TOIS / SAIS / POIS against how stale the trained tokens are
     python experiments/findings.py length     # held-out accuracy against --max-response-len 16 / 32 / 48 / 64
     python experiments/findings.py boundary   # ProRL: pass@1..64 before and after RL; KL + resets, prolonged
+    python experiments/findings.py prolonged  # no KL / KL / KL + resets against the learning rate (3e-4 .. 1e-3)
     python experiments/findings.py passk --models dmmpt/off   # pass@1..64 of the warm start and of finished
                                               # runs' last checkpoints (here the dmmpt finding's "off" runs)
 
@@ -51,6 +52,9 @@ PAPER_LR = ["--lr-final", "1"]
 SIGMA = 0.08  # the warm start's mean token entropy is ~0.11 and falls to ~0.04 under RL: the paper's 0.2 is never reached
 STALENESS_SEGMENTS = (1, 4, 8, 16)  # the staleness finding's doses
 BETA, RESET_EVERY = 0.1, 50  # KL coefficient and reset period of the prolonged runs (why these: docs/findings.md)
+PROLONGED_LRS = ("3e-4", "6e-4", "1e-3")  # the prolonged finding's doses: how far one step moves the policy
+PRORL_ARMS = {"no-kl": [], "kl": ["--kl-coef", str(BETA)],
+              "kl+reset": ["--kl-coef", str(BETA), "--ref-reset-every", str(RESET_EVERY)]}
 FINDINGS = {
     "dmmpt": dict(steps=STEPS, common=[*PAPER_LR, "--mpt-sigma", str(SIGMA)], variants={
         "off": ["--mpt", "off"], "static": ["--mpt", "static"], "dynamic": ["--mpt", "dynamic"]}),
@@ -68,9 +72,10 @@ FINDINGS = {
         **{f"{mode}-{n}seg": ["--is-mode", mode, "--segments", str(n)] for mode in ("sais", "pois")
            for n in STALENESS_SEGMENTS}}),
     # ProRL's recipe where it differs from the tiny default: no DMMPTs, decoupled clip 0.2 / 0.4
-    "boundary": dict(steps=200, common=[*PAPER_LR, "--mpt", "off", "--eps-high", "0.4"], variants={
-        "no-kl": [], "kl": ["--kl-coef", str(BETA)],
-        "kl+reset": ["--kl-coef", str(BETA), "--ref-reset-every", str(RESET_EVERY)]}),
+    "boundary": dict(steps=200, common=[*PAPER_LR, "--mpt", "off", "--eps-high", "0.4"], variants=PRORL_ARMS),
+    # the same three arms at larger learning rates, where a run without the anchor stops improving
+    "prolonged": dict(steps=200, common=[*PAPER_LR, "--mpt", "off", "--eps-high", "0.4"], variants={
+        f"{arm}_lr{lr}": [*flags, "--lr", lr] for lr in PROLONGED_LRS for arm, flags in PRORL_ARMS.items()}),
 }
 
 
@@ -382,6 +387,45 @@ def finding_boundary(runs: dict, steps: int, figure: str, root: str, seeds: list
     return numbers
 
 
+def eval_at(seeds: list[list[dict]], step: int) -> dict:
+    """Held-out accuracy at `step` over seeds (NaN where a run did not evaluate there)."""
+    return spread(finals([[r for r in rs if r["step"] == step] for rs in seeds], "eval/accuracy"))
+
+
+def finding_prolonged(runs: dict, steps: int, figure: str) -> dict:
+    """ProRL's three arms against the learning rate: held-out accuracy at the end and its gain over the second
+    half (a stalled run gains nothing), the KL to the reference that anchors the policy, and the entropy."""
+    numbers = common_numbers(runs, steps)
+    half = steps // 2
+    for v, seeds in runs.items():
+        numbers[v]["eval_half"] = eval_at(seeds, half)
+        numbers[v]["gain_second_half"] = spread([b - a for a, b in zip(numbers[v]["eval_half"]["seeds"],
+                                                                       numbers[v]["eval_last"]["seeds"])])
+        numbers[v]["kl_mean"] = spread([window_mean(rs, "loss/kl", 1, steps) for rs in seeds])
+    print_table(numbers, ["eval_first", "eval_half", "eval_last", "gain_second_half", "entropy_last20", "kl_mean"])
+    lrs = [float(lr) for lr in PROLONGED_LRS]
+    doses = {arm: [f"{arm}_lr{lr}" for lr in PROLONGED_LRS if f"{arm}_lr{lr}" in runs] for arm in PRORL_ARMS}
+    dose_panels = []
+    for key, title in (("eval_last", f"held-out accuracy, step {steps}"),
+                       ("gain_second_half", f"held-out gain, steps {half} -> {steps}")):
+        lines = {arm: ([lrs[PROLONGED_LRS.index(v.rsplit('_lr', 1)[1])] for v in vs], [numbers[v][key]["mean"] for v in vs],
+                       [min(numbers[v][key]["seeds"]) for v in vs], [max(numbers[v][key]["seeds"]) for v in vs])
+                 for arm, vs in doses.items() if vs}
+        dose_panels.append({"title": title, "xlabel": "learning rate", "logx": True, "style": "o-", "lines": lines})
+    top = next(lr for lr in reversed(PROLONGED_LRS) if any(v.endswith(f"_lr{lr}") for v in runs))  # the largest dose run
+    at_top = {v.rsplit("_lr", 1)[0]: seeds for v, seeds in runs.items() if v.endswith(f"_lr{top}")}
+    plot.panel_figure([
+        *dose_panels,
+        {"title": f"{eval_title(runs)}, lr {top}", "xlabel": "step", "style": "o-", "lines": curves(at_top, "eval/accuracy")},
+        {"title": f"k3 KL to the reference per token, lr {top} (trailing mean of 5)", "xlabel": "step",
+         "lines": curves({v: rs for v, rs in at_top.items() if v != "no-kl"}, "loss/kl", 5)},
+        {"title": f"mean token entropy, lr {top} (trailing mean of 5)", "xlabel": "step",
+         "lines": curves(at_top, "entropy/mean", 5)},
+    ], figure, f"Prolonged RL against the learning rate (KL {BETA}, resets every {RESET_EVERY} steps): mean over "
+               f"seeds, band = lowest to highest seed")
+    return numbers
+
+
 def parse_variants(texts: list[str]) -> dict[str, list[str]]:
     """--variant NAME=FLAGS (FLAGS split as a shell would; may be empty) -> {NAME: [flag, ...]}, in order."""
     variants = {}
@@ -482,6 +526,8 @@ def main(argv=None) -> dict:
         numbers = finding_staleness(runs, steps, figure)
     elif args.finding == "length":
         numbers = finding_length(runs, steps, figure, root, seeds)
+    elif args.finding == "prolonged":
+        numbers = finding_prolonged(runs, steps, figure)
     elif args.finding == "boundary":
         numbers = finding_boundary(runs, steps, figure, root, seeds, args.passk_samples, args.passk_problems)
     else:

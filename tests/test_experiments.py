@@ -83,6 +83,33 @@ def test_the_staleness_finding_puts_each_is_mode_against_the_staleness_it_traine
 
 
 @pytest.mark.slow
+def test_the_prolonged_finding_sets_each_arm_against_the_learning_rate(tmp_path):
+    """The prolonged finding at a trivial size, its three arms at two of its three learning rates (--only):
+    each run trains at its own learning rate with its own KL and resets, the gain over the run's second half is
+    read from its own evaluations, and one figure is drawn."""
+    variants = findings().FINDINGS["prolonged"]["variants"]
+    assert set(variants) == {f"{arm}_lr{lr}" for arm in ("no-kl", "kl", "kl+reset") for lr in ("3e-4", "6e-4", "1e-3")}
+    only = "no-kl_lr1e-3,kl_lr1e-3,kl+reset_lr6e-4"
+    cmd = [sys.executable, "experiments/findings.py", "prolonged", "--only", only, "--seeds", "0", "--root",
+           str(tmp_path), "--steps", "4", "--eval-n", "8", "--eval-every", "2", "--prompts-per-step", "2",
+           "--train-groups", "2", "--dynamic-sampling", "false", "--jobs", "2"]
+    p = run(cmd, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    numbers = json.loads(p.stdout.strip().splitlines()[-1])["numbers"]
+    assert set(numbers) == set(only.split(","))
+    for variant, row in numbers.items():
+        with open(tmp_path / "prolonged" / f"{variant}_s0" / "metrics.jsonl") as f:
+            records = [json.loads(line) for line in f]
+        config, evals = records[0]["config"], {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}
+        assert config["lr"] == float(variant.rsplit("_lr", 1)[1]) and config["mpt"] == "off"
+        assert config["kl_coef"] == (0 if variant.startswith("no-kl") else 0.1)
+        assert config["ref_reset_every"] == (50 if variant.startswith("kl+reset") else 0)
+        assert row["gain_second_half"]["mean"] == pytest.approx(evals[4] - evals[2])
+        assert (row["kl_mean"]["mean"] > 0) == (config["kl_coef"] > 0)
+    assert open(tmp_path / "prolonged" / "prolonged.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
 def test_variants_of_ones_own_over_seeds(tmp_path):
     cmd = [sys.executable, "experiments/findings.py", "variants", "--variant", "kl=--kl-coef 0.1 --mpt off", "--seeds",
            "0", "--root", str(tmp_path), "--name", "mine", "--keys", "loss/kl,mpt/masked_frac,eval/accuracy",
