@@ -392,6 +392,15 @@ def eval_at(seeds: list[list[dict]], step: int) -> dict:
     return spread(finals([[r for r in rs if r["step"] == step] for rs in seeds], "eval/accuracy"))
 
 
+def no_signal(records: list[dict]) -> list[dict]:
+    """Per step, the share of sampled groups whose responses all scored the same (all right or all wrong), so
+    they carry no advantage: what dynamic sampling drops, over what it drops and what it trains."""
+    group = records[0]["config"]["group_size"]
+    return [{"step": r["step"], "no_signal": r["dynamic/dropped_groups"] / (r["dynamic/dropped_groups"]
+                                                                         + r["train/samples"] / group)}
+            for r in records if r.get("train/samples")]
+
+
 def finding_prolonged(runs: dict, steps: int, figure: str) -> dict:
     """ProRL's three arms against the learning rate: held-out accuracy at the end and its gain over the second
     half (a stalled run gains nothing), the KL to the reference that anchors the policy, and the entropy."""
@@ -402,7 +411,10 @@ def finding_prolonged(runs: dict, steps: int, figure: str) -> dict:
         numbers[v]["gain_second_half"] = spread([b - a for a, b in zip(numbers[v]["eval_half"]["seeds"],
                                                                        numbers[v]["eval_last"]["seeds"])])
         numbers[v]["kl_mean"] = spread([window_mean(rs, "loss/kl", 1, steps) for rs in seeds])
-    print_table(numbers, ["eval_first", "eval_half", "eval_last", "gain_second_half", "entropy_last20", "kl_mean"])
+        numbers[v]["no_signal_last50"] = spread([window_mean(no_signal(rs), "no_signal", max(1, steps - 49), steps)
+                                                 for rs in seeds])
+    print_table(numbers, ["eval_first", "eval_half", "eval_last", "gain_second_half", "entropy_last20", "kl_mean",
+                          "no_signal_last50"])
     lrs = [float(lr) for lr in PROLONGED_LRS]
     doses = {arm: [f"{arm}_lr{lr}" for lr in PROLONGED_LRS if f"{arm}_lr{lr}" in runs] for arm in PRORL_ARMS}
     dose_panels = []
@@ -421,6 +433,8 @@ def finding_prolonged(runs: dict, steps: int, figure: str) -> dict:
          "lines": curves({v: rs for v, rs in at_top.items() if v != "no-kl"}, "loss/kl", 5)},
         {"title": f"mean token entropy, lr {top} (trailing mean of 5)", "xlabel": "step",
          "lines": curves(at_top, "entropy/mean", 5)},
+        {"title": f"groups without signal (all right or all wrong), lr {top} (trailing mean of 10)", "xlabel": "step",
+         "lines": curves({v: [no_signal(rs) for rs in seeds] for v, seeds in at_top.items()}, "no_signal", 10)},
     ], figure, f"Prolonged RL against the learning rate (KL {BETA}, resets every {RESET_EVERY} steps): mean over "
                f"seeds, band = lowest to highest seed")
     return numbers
