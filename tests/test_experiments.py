@@ -92,11 +92,12 @@ def test_the_prolonged_finding_sets_each_arm_against_the_learning_rate(tmp_path)
     only = "no-kl_lr1e-3,kl_lr1e-3,kl+reset_lr6e-4"
     cmd = [sys.executable, "experiments/findings.py", "prolonged", "--only", only, "--seeds", "0", "--root",
            str(tmp_path), "--steps", "4", "--eval-n", "8", "--eval-every", "2", "--prompts-per-step", "2",
-           "--train-groups", "2", "--dynamic-sampling", "false", "--jobs", "2"]
+           "--train-groups", "2", "--jobs", "2"]  # dynamic sampling on: it counts the groups without signal
     p = run(cmd, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     numbers = json.loads(p.stdout.strip().splitlines()[-1])["numbers"]
     assert set(numbers) == set(only.split(","))
+    some_dropped = False
     for variant, row in numbers.items():
         with open(tmp_path / "prolonged" / f"{variant}_s0" / "metrics.jsonl") as f:
             records = [json.loads(line) for line in f]
@@ -106,6 +107,10 @@ def test_the_prolonged_finding_sets_each_arm_against_the_learning_rate(tmp_path)
         assert config["ref_reset_every"] == (50 if variant.startswith("kl+reset") else 0)
         assert row["gain_second_half"]["mean"] == pytest.approx(evals[4] - evals[2])
         assert (row["kl_mean"]["mean"] > 0) == (config["kl_coef"] > 0)
+        dropped = [r["dynamic/dropped_groups"] for r in records[1:]]  # all-equal groups, beside the 2 trained
+        assert row["no_signal_last50"]["mean"] == pytest.approx(sum(d / (d + 2) for d in dropped) / 4)
+        some_dropped |= any(dropped)
+    assert some_dropped  # the warm start answers the easiest problems right 8 times in 8
     assert open(tmp_path / "prolonged" / "prolonged.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
