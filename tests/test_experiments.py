@@ -3,7 +3,7 @@ its figure (beside the runs, not over the committed docs/findings/ one) and summ
 call reuses the finished runs instead of training again; a study of one's own variants does the same.
 The findings themselves are in docs/findings.md; experiments are not tests.
 
-    python -m pytest tests/test_experiments.py        # ~2 minutes on 2 cores
+    python -m pytest tests/test_experiments.py        # ~2.5 minutes on 2 cores
 """
 import json
 import os
