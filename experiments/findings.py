@@ -55,6 +55,7 @@ BETA, RESET_EVERY = 0.1, 50  # KL coefficient and reset period of the prolonged 
 PROLONGED_LRS = ("3e-4", "6e-4", "1e-3")  # the prolonged finding's doses: how far one step moves the policy
 PRORL_ARMS = {"no-kl": [], "kl": ["--kl-coef", str(BETA)],
               "kl+reset": ["--kl-coef", str(BETA), "--ref-reset-every", str(RESET_EVERY)]}
+PRORL_COMMON = [*PAPER_LR, "--mpt", "off", "--eps-high", "0.4"]  # ProRL where it differs from the tiny default
 FINDINGS = {
     "dmmpt": dict(steps=STEPS, common=[*PAPER_LR, "--mpt-sigma", str(SIGMA)], variants={
         "off": ["--mpt", "off"], "static": ["--mpt", "static"], "dynamic": ["--mpt", "dynamic"]}),
@@ -72,9 +73,9 @@ FINDINGS = {
         **{f"{mode}-{n}seg": ["--is-mode", mode, "--segments", str(n)] for mode in ("sais", "pois")
            for n in STALENESS_SEGMENTS}}),
     # ProRL's recipe where it differs from the tiny default: no DMMPTs, decoupled clip 0.2 / 0.4
-    "boundary": dict(steps=200, common=[*PAPER_LR, "--mpt", "off", "--eps-high", "0.4"], variants=PRORL_ARMS),
+    "boundary": dict(steps=200, common=PRORL_COMMON, variants=PRORL_ARMS),
     # the same three arms at larger learning rates, where a run without the anchor stops improving
-    "prolonged": dict(steps=200, common=[*PAPER_LR, "--mpt", "off", "--eps-high", "0.4"], variants={
+    "prolonged": dict(steps=200, common=PRORL_COMMON, variants={
         f"{arm}_lr{lr}": [*flags, "--lr", lr] for lr in PROLONGED_LRS for arm, flags in PRORL_ARMS.items()}),
 }
 
@@ -154,12 +155,17 @@ def run_seconds(seeds: list[list[dict]]) -> list[float]:
     return [sum(r.get("time/step_s") or 0 for r in records) for records in seeds]
 
 
+def eval_at(seeds: list[list[dict]], step: int) -> dict:
+    """Held-out accuracy at `step` over seeds (NaN where a run did not evaluate there)."""
+    return spread(finals([[r for r in rs if r["step"] == step] for rs in seeds], "eval/accuracy"))
+
+
 def common_numbers(runs: dict, steps: int) -> dict:
     """Per variant: held-out accuracy first and last, entropy early / late, mean clip and masked fractions."""
     out = {}
     for v, seeds in runs.items():
         late = max(1, steps - 19)
-        out[v] = {"eval_first": spread(finals([[r for r in rs if r["step"] == 0] for rs in seeds], "eval/accuracy")),
+        out[v] = {"eval_first": eval_at(seeds, 0),
                   "eval_last": spread(finals(seeds, "eval/accuracy")),
                   "entropy_first10": spread([window_mean(rs, "entropy/mean", 1, 10) for rs in seeds]),
                   "entropy_last20": spread([window_mean(rs, "entropy/mean", late, steps) for rs in seeds]),
@@ -387,11 +393,6 @@ def finding_boundary(runs: dict, steps: int, figure: str, root: str, seeds: list
     return numbers
 
 
-def eval_at(seeds: list[list[dict]], step: int) -> dict:
-    """Held-out accuracy at `step` over seeds (NaN where a run did not evaluate there)."""
-    return spread(finals([[r for r in rs if r["step"] == step] for rs in seeds], "eval/accuracy"))
-
-
 def no_signal(records: list[dict]) -> list[dict]:
     """Per step, the share of sampled groups whose responses all scored the same (all right or all wrong), so
     they carry no advantage: what dynamic sampling drops, over what it drops and what it trains."""
@@ -415,12 +416,11 @@ def finding_prolonged(runs: dict, steps: int, figure: str) -> dict:
                                                  for rs in seeds])
     print_table(numbers, ["eval_first", "eval_half", "eval_last", "gain_second_half", "entropy_last20", "kl_mean",
                           "no_signal_last50"])
-    lrs = [float(lr) for lr in PROLONGED_LRS]
     doses = {arm: [f"{arm}_lr{lr}" for lr in PROLONGED_LRS if f"{arm}_lr{lr}" in runs] for arm in PRORL_ARMS}
     dose_panels = []
     for key, title in (("eval_last", f"held-out accuracy, step {steps}"),
                        ("gain_second_half", f"held-out gain, steps {half} -> {steps}")):
-        lines = {arm: ([lrs[PROLONGED_LRS.index(v.rsplit('_lr', 1)[1])] for v in vs], [numbers[v][key]["mean"] for v in vs],
+        lines = {arm: ([float(v.rsplit("_lr", 1)[1]) for v in vs], [numbers[v][key]["mean"] for v in vs],
                        [min(numbers[v][key]["seeds"]) for v in vs], [max(numbers[v][key]["seeds"]) for v in vs])
                  for arm, vs in doses.items() if vs}
         dose_panels.append({"title": title, "xlabel": "learning rate", "logx": True, "style": "o-", "lines": lines})
