@@ -55,8 +55,9 @@ class Config:
                                "ulorl for a hub model name (--model Qwen/Qwen3-30B-A3B), tiny for a local directory",
                        choices=["tiny", "ulorl", "prorl"], group="run")
     model: str = flag(TINY_CKPT, "hub name or local HF directory of the policy")
-    data: str = flag("tiny", "training prompts: 'tiny', a .jsonl/.json/.parquet file, a saved dataset, a hub name, "
-                             "rg:NAME[:SIZE] (Reasoning Gym), or a mixture 'a.jsonl@0.7,rg:chain_sum@0.3'")
+    data: str = flag("tiny", "training prompts: 'tiny' ('tiny:K': every problem K terms), a .jsonl/.json/.parquet "
+                             "file, a saved dataset, a hub name, rg:NAME[:SIZE] (Reasoning Gym), or a mixture "
+                             "'a.jsonl@0.7,rg:chain_sum@0.3'")
     eval_data: str = flag("tiny", "held-out prompts for --eval-every (same formats as --data); '' = none")
     prompt_key: str = flag("prompt", "column holding the prompt (dotted paths reach nested columns)")
     answer_key: str = flag("answer", "column holding the reference answer")
@@ -343,6 +344,7 @@ def data_problems(cfg: Config) -> list[str]:
     """What is wrong with --data and --eval-data before anything is read: a mixture that does not parse, a file
     that is not there."""
     import data
+    import tiny
     out = []
     for flag_name, spec in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
         if not spec:
@@ -359,6 +361,14 @@ def data_problems(cfg: Config) -> list[str]:
             path = os.path.expanduser(source)
             if (path.endswith(data.SUFFIXES) or path.startswith(("/", "."))) and not os.path.exists(path):
                 out.append(f"{flag_name} {spec}: no such file or directory: {path}")
+            if source.startswith("tiny:"):
+                try:
+                    k = data.tiny_terms(source)
+                    if not tiny.MIN_TERMS <= k <= tiny.MAX_TERMS:
+                        out.append(f"{flag_name} {source}: K must be {tiny.MIN_TERMS}-{tiny.MAX_TERMS}, the numbers "
+                                   f"of terms the warm start was trained on")
+                except ValueError as e:
+                    out.append(f"{flag_name} {e}")
     return out
 
 

@@ -199,14 +199,16 @@ def load_rows(source: str, prompt_key: str = "prompt", answer_key: str = "answer
 
 def load_prompts(spec: str, seed: int = 0, held_out: bool = False, n: int | None = None, prompt_key: str = "prompt",
                  answer_key: str = "answer", default_verifier: str = "math", split: str = "") -> list[dict]:
-    """The rows of a --data / --eval-data spec: "tiny" (the built-in task), "rg:NAME[:SIZE]" (Reasoning Gym,
-    generated here), a file or dataset (load_rows), or a weighted mixture of those ("a.jsonl@0.7,rg:x@0.3").
+    """The rows of a --data / --eval-data spec: "tiny" (the built-in task; "tiny:K": every problem K terms long),
+    "rg:NAME[:SIZE]" (Reasoning Gym, generated here), a file or dataset (load_rows), or a weighted mixture of
+    those ("a.jsonl@0.7,rg:x@0.3").
     Every row keeps its own verifier. held_out: the evaluation draw (the tiny task's and Reasoning Gym's from
     seeds training never uses, a dataset's `split` or its "test" split), cut to the first `n` rows."""
     sources = []
     for source, weight in parse_mixture(spec):
-        if source == "tiny":  # a fixed training draw and a separate held-out draw
-            rows = tiny.held_out_rows(n or 512, seed) if held_out else tiny.make_rows(100_000, seed)
+        if source == "tiny" or source.startswith("tiny:"):  # a fixed training draw and a separate held-out draw
+            terms = tiny_terms(source)
+            rows = tiny.held_out_rows(n or 512, seed, terms) if held_out else tiny.make_rows(100_000, seed, terms)
         elif source.startswith("rg:"):
             rows = rg_rows(source, seed + 1_000_003 if held_out else seed, size=(n or 1000) if held_out else 1000)
         else:
@@ -215,6 +217,16 @@ def load_prompts(spec: str, seed: int = 0, held_out: bool = False, n: int | None
         sources.append((rows, weight))
     rows = sources[0][0] if len(sources) == 1 else mix(sources, seed)
     return rows[:n] if held_out else rows
+
+
+def tiny_terms(source: str) -> int | None:
+    """K of "tiny:K" (None for "tiny"), checked."""
+    if source == "tiny":
+        return None
+    k = source.split(":", 1)[1]
+    if not k.isdigit():
+        raise ValueError(f"{source}: expected tiny:K, K the number of terms of every problem (e.g. tiny:12)")
+    return int(k)
 
 
 def read_objects(source: str, split: str = "train", limit: int | None = None) -> list[tuple[str, dict]]:

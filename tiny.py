@@ -85,9 +85,10 @@ def make_model(tokenizer, seed: int = 0) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(config)
 
 
-def draw_terms(rng: random.Random) -> list[int]:
+def draw_terms(rng: random.Random, terms: int | None = None) -> list[int]:
+    """A problem's terms: `terms` of them, or a number drawn from the long tail."""
     ks = list(range(MIN_TERMS, MAX_TERMS + 1))
-    k = rng.choices(ks, weights=[kk ** -TAIL for kk in ks])[0]
+    k = terms or rng.choices(ks, weights=[kk ** -TAIL for kk in ks])[0]
     return [rng.randint(1, 9) for _ in range(k)]
 
 
@@ -105,20 +106,24 @@ def teacher_response(terms: list[int], rng: random.Random, slip: float = 0.0) ->
 
 
 @functools.lru_cache(maxsize=4)  # train.py draws the same 100k rows at every start (~1.5 s; bench/ starts it often)
-def make_rows(n: int, seed: int) -> list[dict]:
-    """n problems as dataset rows (the same shape data.py loads from files). Cached: never change the rows."""
+def make_rows(n: int, seed: int, terms: int | None = None) -> list[dict]:
+    """n problems as dataset rows (the same shape data.py loads from files), each of `terms` terms if given (the
+    `tiny:K` variant: every response as long as the tail's longest). Cached: never change the rows."""
+    if terms is not None and not MIN_TERMS <= terms <= MAX_TERMS:
+        raise ValueError(f"tiny:{terms}: the number of terms must be {MIN_TERMS}-{MAX_TERMS}, the range the warm "
+                         f"start ({CKPT}/) was trained on")
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        terms = draw_terms(rng)
-        rows.append({"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms)),
+        terms_ = draw_terms(rng, terms)
+        rows.append({"prompt": "+".join(map(str, terms_)) + "=", "answer": str(sum(terms_)),
                      "verifier": "tiny"})
     return rows
 
 
-def held_out_rows(n: int, seed: int = 0) -> list[dict]:
+def held_out_rows(n: int, seed: int = 0, terms: int | None = None) -> list[dict]:
     """The held-out draw that train.py (--eval-data tiny) and eval.py evaluate on: a seed range training never uses."""
-    return make_rows(n, seed=10_000 + seed)
+    return make_rows(n, seed=10_000 + seed, terms=terms)
 
 
 def pretrain(out: str, steps: int, batch: int, lr: float, seed: int) -> None:

@@ -178,6 +178,22 @@ def role_tokenizer():
     return tok
 
 
+def test_tiny_k_gives_every_problem_k_terms_and_leaves_the_default_draw_alone():
+    """tiny:K: the built-in task with every problem K terms long (the longest responses of the default's tail),
+    its own training and held-out draws; plain "tiny" draws exactly the rows it always drew."""
+    for k in (2, 7, 12):
+        rows = data.load_prompts(f"tiny:{k}", seed=3)
+        held_out = data.load_prompts(f"tiny:{k}", seed=3, held_out=True, n=50)
+        for r in rows[:200] + held_out:
+            terms = [int(t) for t in r["prompt"].rstrip("=").split("+")]
+            assert len(terms) == k and all(1 <= t <= 9 for t in terms) and r["answer"] == str(sum(terms))
+        assert len(held_out) == 50 and held_out != rows[:50]  # a draw of its own
+    default = data.load_prompts("tiny", seed=3)
+    assert default == tiny.make_rows(100_000, 3) and len({r["prompt"].count("+") for r in default[:500]}) > 5
+    with pytest.raises(ValueError, match="tiny:1: the number of terms must be 2-12"):
+        tiny.make_rows(10, seed=0, terms=1)
+
+
 def test_encode_prompt_tiny_is_the_bare_prompt():
     tok = tiny.make_tokenizer()
     for r in ROWS:
