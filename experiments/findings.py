@@ -4,6 +4,7 @@ every run's metrics.jsonl under --root, draws one figure with the variants side 
 and one JSON line with the numbers docs/findings.md quotes.
 
     python experiments/findings.py dmmpt      # DMMPTs off / static / dynamic, sigma inside the task's range
+    python experiments/findings.py mastered   # DMMPTs against the response length (tiny:4 / 8 / 12) and tau
     python experiments/findings.py is         # TOIS (1 segment) / SAIS (4) / POIS (4): entropy, accuracy, clipping
     python experiments/findings.py staleness  # TOIS / SAIS / POIS against how stale the trained tokens are
     python experiments/findings.py length     # held-out accuracy against --max-response-len 16 / 32 / 48 / 64
@@ -53,6 +54,11 @@ SIGMA = 0.08  # the warm start's mean token entropy is ~0.11 and falls to ~0.04 
 STALENESS_SEGMENTS = (1, 4, 8, 16)  # the staleness finding's doses
 BETA, RESET_EVERY = 0.1, 50  # KL coefficient and reset period of the prolonged runs (why these: docs/findings.md)
 PROLONGED_LRS = ("3e-4", "6e-4", "1e-3")  # the prolonged finding's doses: how far one step moves the policy
+# the mastered-token finding's doses: tiny:K, every problem K terms, responses of ~17 / 37 / 57 tokens, most of
+# them copied terms and separators the warm start already gets right; sigma is 2/3 of the warm start's entropy
+# at each K (0.117 / 0.137 / 0.19 over its first 5 steps), as SIGMA is of the tiny default's
+MASTERED_SIGMA = {4: 0.08, 8: 0.09, 12: 0.13}
+MASTERED_TAUS = ("0.99", "0.9")  # the paper's tau, set for a 30B model, and one a 0.8M model's tokens reach more often
 PRORL_ARMS = {"no-kl": [], "kl": ["--kl-coef", str(BETA)],
               "kl+reset": ["--kl-coef", str(BETA), "--ref-reset-every", str(RESET_EVERY)]}
 PRORL_COMMON = [*PAPER_LR, "--mpt", "off", "--eps-high", "0.4"]  # ProRL where it differs from the tiny default
@@ -72,6 +78,12 @@ FINDINGS = {
         "tois-1seg": ["--is-mode", "tois", "--segments", "1"],
         **{f"{mode}-{n}seg": ["--is-mode", mode, "--segments", str(n)] for mode in ("sais", "pois")
            for n in STALENESS_SEGMENTS}}),
+    # DMMPTs against the response length and tau: no masking, static and dynamic at each K and tau
+    "mastered": dict(steps=100, common=[*PAPER_LR, "--eval-every", "25", "--eval-n", "256"], variants={
+        f"k{k}_{arm}": ["--data", f"tiny:{k}", "--eval-data", f"tiny:{k}", "--mpt-sigma", str(sigma), *flags]
+        for k, sigma in MASTERED_SIGMA.items() for arm, flags in
+        [("off", ["--mpt", "off"])] + [(f"{mode}_tau{tau}", ["--mpt", mode, "--mpt-tau", tau])
+                                       for mode in ("static", "dynamic") for tau in MASTERED_TAUS]}),
     # ProRL's recipe where it differs from the tiny default: no DMMPTs, decoupled clip 0.2 / 0.4
     "boundary": dict(steps=200, common=PRORL_COMMON, variants=PRORL_ARMS),
     # the same three arms at larger learning rates, where a run without the anchor stops improving
@@ -219,6 +231,53 @@ def finding_dmmpt(runs: dict, steps: int, figure: str) -> dict:
          "styles": {f"{v}: masked": "--" for v in runs}, "colors": {**{v: v for v in runs},
                                                                      **{f"{v}: masked": v for v in runs}}},
     ], figure, "DMMPTs off / static / dynamic: mean over seeds, band = lowest to highest seed")
+    return numbers
+
+
+def finding_mastered(runs: dict, steps: int, figure: str) -> dict:
+    """DMMPTs against the response length (tiny:K) and tau: how the entropy moves from the first 10 steps to
+    the last 20 under each arm, how many tokens the mask takes, and how much of the covariance of log-prob and
+    advantage (the entropy-lowering push) it takes with them, each against the mean response length."""
+    numbers = common_numbers(runs, steps)
+    late = max(1, steps - 19)
+    for v, seeds in runs.items():
+        n = numbers[v]
+        n["entropy_change"] = spread([b - a for a, b in zip(n["entropy_first10"]["seeds"], n["entropy_last20"]["seeds"])])
+        n["push_removed"] = spread([m / c for m, c in zip(n["cov_masked"]["seeds"], n["cov"]["seeds"])])
+        n["response_len"] = spread([window_mean(rs, "response/mean_len", 1, steps) for rs in seeds])
+        n["masked_frac_late"] = spread([window_mean(rs, "mpt/masked_frac", late, steps) for rs in seeds])
+    print_table(numbers, ["response_len", "eval_first", "eval_last", "entropy_first10", "entropy_last20",
+                          "entropy_change", "masked_frac", "push_removed"])
+    arms = list(dict.fromkeys(v.split("_", 1)[1] for v in runs))  # off, static_tau0.99, ...
+    ks = sorted({int(v.split("_", 1)[0][1:]) for v in runs})
+
+    def dose(key: str, arm_list: list[str]) -> dict:
+        """One line per arm: `key` against the arm's mean response length at each K."""
+        lines = {}
+        for arm in arm_list:
+            vs = [f"k{k}_{arm}" for k in ks if f"k{k}_{arm}" in runs]
+            if vs:
+                lines[arm] = ([numbers[v]["response_len"]["mean"] for v in vs], [numbers[v][key]["mean"] for v in vs],
+                              [min(numbers[v][key]["seeds"]) for v in vs], [max(numbers[v][key]["seeds"]) for v in vs])
+        return lines
+
+    masking = [a for a in arms if a != "off"]
+    top = ks[-1]
+    at_top = {v.split("_", 1)[1]: seeds for v, seeds in runs.items() if v.startswith(f"k{top}_")}
+    sigma = MASTERED_SIGMA.get(top)
+    xlabel = "mean response tokens (tiny:K)"
+    plot.panel_figure([
+        {"title": f"entropy change, steps 1-10 -> {late}-{steps}", "xlabel": xlabel, "style": "o-",
+         "lines": dose("entropy_change", arms), "hlines": {"no change": 0.0}},
+        {"title": "share of Cov(log-prob, advantage) on masked tokens", "xlabel": xlabel, "style": "o-",
+         "lines": dose("push_removed", masking)},
+        {"title": "tokens masked (all steps)", "xlabel": xlabel, "style": "o-", "lines": dose("masked_frac", masking)},
+        {"title": f"held-out accuracy, step {steps}", "xlabel": xlabel, "style": "o-", "lines": dose("eval_last", arms)},
+        {"title": f"mean token entropy, tiny:{top} (trailing mean of 5)", "xlabel": "step",
+         "lines": curves(at_top, "entropy/mean", 5), "hlines": {f"sigma {sigma}": sigma} if sigma else {}},
+        {"title": f"Cov(log-prob, advantage), tiny:{top} (trailing mean of 5)", "xlabel": "step",
+         "lines": curves(at_top, "entropy/cov", 5)},
+    ], figure, "DMMPTs against the response length and tau: mean over seeds, band = lowest to highest seed")
     return numbers
 
 
@@ -540,6 +599,8 @@ def main(argv=None) -> dict:
         numbers = finding_staleness(runs, steps, figure)
     elif args.finding == "length":
         numbers = finding_length(runs, steps, figure, root, seeds)
+    elif args.finding == "mastered":
+        numbers = finding_mastered(runs, steps, figure)
     elif args.finding == "prolonged":
         numbers = finding_prolonged(runs, steps, figure)
     elif args.finding == "boundary":

@@ -115,6 +115,39 @@ def test_the_prolonged_finding_sets_each_arm_against_the_learning_rate(tmp_path)
 
 
 @pytest.mark.slow
+def test_the_mastered_finding_sets_dmmpts_against_the_response_length(tmp_path):
+    """The mastered-token finding at a trivial size, three of its arms (--only): each run trains on problems of
+    its own K terms with its own tau and sigma, and the share of the covariance the mask removes is read from
+    the run's own records."""
+    variants = findings().FINDINGS["mastered"]["variants"]
+    assert {v.split("_", 1)[0] for v in variants} == {"k4", "k8", "k12"} and len(variants) == 15
+    only = "k4_off,k12_static_tau0.9,k12_dynamic_tau0.99"
+    cmd = [sys.executable, "experiments/findings.py", "mastered", "--only", only, "--seeds", "0", "--root",
+           str(tmp_path), "--steps", "2", "--eval-n", "8", "--eval-every", "2", "--prompts-per-step", "2",
+           "--train-groups", "2", "--jobs", "2"]  # dynamic sampling on: every trained group has a right answer
+    p = run(cmd, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    numbers = json.loads(p.stdout.strip().splitlines()[-1])["numbers"]
+    assert set(numbers) == set(only.split(","))
+    for variant, row in numbers.items():
+        with open(tmp_path / "mastered" / f"{variant}_s0" / "metrics.jsonl") as f:
+            records = [json.loads(line) for line in f]
+        config, trained = records[0]["config"], records[1:]
+        k = int(variant.split("_")[0][1:])
+        assert config["data"] == config["eval_data"] == f"tiny:{k}" and config["mpt"] == variant.split("_")[1]
+        assert config["mpt_sigma"] == findings().MASTERED_SIGMA[k]
+        # a K-term problem's response: K-1 steps "t=s," and ":s" (sums of up to 108), or a few slips longer
+        assert 4 * (k - 1) + 1 <= row["response_len"]["mean"] <= 6 * k
+        cov, masked = (sum(r[key] for r in trained) / 2 for key in ("entropy/cov", "entropy/cov_masked"))
+        assert row["push_removed"]["mean"] == pytest.approx(masked / cov)
+        if config["mpt"] == "static":
+            assert config["mpt_tau"] == 0.9 and row["masked_frac"]["mean"] > 0 and masked != 0
+        if config["mpt"] == "off":
+            assert row["masked_frac"]["mean"] == 0 and masked == 0
+    assert open(tmp_path / "mastered" / "mastered.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
 def test_variants_of_ones_own_over_seeds(tmp_path):
     cmd = [sys.executable, "experiments/findings.py", "variants", "--variant", "kl=--kl-coef 0.1 --mpt off", "--seeds",
            "0", "--root", str(tmp_path), "--name", "mine", "--keys", "loss/kl,mpt/masked_frac,eval/accuracy",
