@@ -226,6 +226,7 @@ def tiny_terms(source: str) -> int | None:
     k = source.split(":", 1)[1]
     if not k.isdigit():
         raise ValueError(f"{source}: expected tiny:K, K the number of terms of every problem (e.g. tiny:12)")
+    tiny.check_terms(int(k))
     return int(k)
 
 

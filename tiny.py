@@ -105,13 +105,19 @@ def teacher_response(terms: list[int], rng: random.Random, slip: float = 0.0) ->
     return ",".join(steps) + ":" + str(s)
 
 
+def check_terms(terms: int) -> None:
+    """tiny:K takes K in the range the warm start was trained on."""
+    if not MIN_TERMS <= terms <= MAX_TERMS:
+        raise ValueError(f"tiny:{terms}: the number of terms must be {MIN_TERMS}-{MAX_TERMS}, the range the warm "
+                         f"start ({CKPT}/) was trained on")
+
+
 @functools.lru_cache(maxsize=4)  # train.py draws the same 100k rows at every start (~1.5 s; bench/ starts it often)
 def make_rows(n: int, seed: int, terms: int | None = None) -> list[dict]:
     """n problems as dataset rows (the same shape data.py loads from files), each of `terms` terms if given (the
     `tiny:K` variant: every response as long as the tail's longest). Cached: never change the rows."""
-    if terms is not None and not MIN_TERMS <= terms <= MAX_TERMS:
-        raise ValueError(f"tiny:{terms}: the number of terms must be {MIN_TERMS}-{MAX_TERMS}, the range the warm "
-                         f"start ({CKPT}/) was trained on")
+    if terms is not None:
+        check_terms(terms)
     rng = random.Random(seed)
     rows = []
     for _ in range(n):

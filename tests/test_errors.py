@@ -53,7 +53,7 @@ def run_train(*args, timeout=300):
     (["--preset", "bogus"], "argument --preset: invalid choice: 'bogus'"),
     (["--data", "nope.jsonl"], "--data nope.jsonl: no such file or directory: nope.jsonl"),
     (["--data", "tiny@-1"], "must be SOURCE or SOURCE@WEIGHT with WEIGHT > 0"),
-    (["--data", "tiny:13"], "--data tiny:13: K must be 2-12, the numbers of terms the warm start was trained on"),
+    (["--data", "tiny:13"], "--data tiny:13: the number of terms must be 2-12, the range the warm start"),
     (["--eval-data", "tiny:twelve"], "--eval-data tiny:twelve: expected tiny:K"),
     (["--resume", "auto", "--overwrite", "true"], "say opposite things"),
     (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "gpu"], "--device"),
