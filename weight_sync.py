@@ -340,6 +340,12 @@ class ExpectedReloadWarnings(logging.Filter):
         return not (rest == "Failed to load weights" and layer in self.expected)
 
 
+# On a CPU with AMX, vLLM's CPU attention runs AMX tiles in bfloat16 without asking Linux for them first
+# (arch_prctl ARCH_REQ_XCOMP_PERM): an engine process that has run no AMX matmul of torch's own dies of SIGILL
+# ("Illegal instruction") at its first forward. Its workers import this file before the model loads: ask here.
+torch.cpu._init_amx()
+
+
 class WorkerExtension:
     """vLLM's workers import this class (worker_extension_cls), and with it this file: the gloo backend is
     then registered where the engine is created."""

@@ -294,3 +294,22 @@ def test_a_sync_that_breaks_ends_every_rank_of_the_run(tmp_path):
         assert p.stderr.count("error: the weight sync failed") == 1 and why in p.stderr, p.stderr[-3000:]
         if why != "the engine's process died":  # (under torchrun the other rank's gathers then say rank 0 is gone)
             assert "Traceback" not in p.stderr, p.stderr[-3000:]
+
+
+AMX_PERMISSION = """import ctypes, torch
+import weight_sync
+granted = ctypes.c_ulong(0)  # arch_prctl(ARCH_GET_XCOMP_PERM): the extended states this process may use
+assert ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(granted)) == 0
+print(torch.cpu._is_amx_tile_supported(), bool(granted.value & 1 << 18))  # bit 18: AMX tile data
+"""
+
+
+def test_an_engine_process_may_use_amx_before_its_first_forward():
+    """vLLM's CPU attention runs AMX tiles in bf16 on a CPU that has them, without asking Linux first: an engine in
+    a process of its own died of SIGILL at its first forward in 5 of 6 starts (the --overlap runs). Importing
+    weight_sync, as every engine worker does, asks. A fresh interpreter: a forked one inherits what was granted."""
+    from conftest import ROOT, run
+    proc = run([sys.executable, "-c", AMX_PERMISSION], timeout=120, cwd=ROOT, warm=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    has_amx, granted = proc.stdout.split()
+    assert granted == has_amx, proc.stdout  # granted exactly where the CPU has AMX
