@@ -5,6 +5,7 @@ and one JSON line with the numbers docs/findings.md quotes.
 
     python experiments/findings.py dmmpt      # DMMPTs off / static / dynamic, sigma inside the task's range
     python experiments/findings.py mastered   # DMMPTs against the response length (tiny:4 / 8 / 12) and tau
+    python experiments/findings.py sigma      # dynamic DMMPTs against sigma (tiny:8, tau 0.9): where it holds
     python experiments/findings.py is         # TOIS (1 segment) / SAIS (4) / POIS (4): entropy, accuracy, clipping
     python experiments/findings.py staleness  # TOIS / SAIS / POIS against how stale the trained tokens are
     python experiments/findings.py length     # held-out accuracy against --max-response-len 16 / 32 / 48 / 64
@@ -59,6 +60,9 @@ PROLONGED_LRS = ("3e-4", "6e-4", "1e-3")  # the prolonged finding's doses: how f
 # at each K (0.117 / 0.137 / 0.19 over its first 5 steps), as SIGMA is of the tiny default's
 MASTERED_SIGMA = {4: 0.08, 8: 0.09, 12: 0.13}
 MASTERED_TAUS = ("0.99", "0.9")  # the paper's tau, set for a 30B model, and one a 0.8M model's tokens reach more often
+# the sigma finding's doses at tiny:8 and tau 0.9, where static masking holds the entropy near the warm start's
+# 0.14 and "off" falls to ~0.07 in 100 steps: sigma below, inside and at the top of that range
+SIGMA_DOSES = ("0.06", "0.09", "0.12")
 PRORL_ARMS = {"no-kl": [], "kl": ["--kl-coef", str(BETA)],
               "kl+reset": ["--kl-coef", str(BETA), "--ref-reset-every", str(RESET_EVERY)]}
 PRORL_COMMON = [*PAPER_LR, "--mpt", "off", "--eps-high", "0.4"]  # ProRL where it differs from the tiny default
@@ -84,6 +88,11 @@ FINDINGS = {
         for k, sigma in MASTERED_SIGMA.items() for arm, flags in
         [("off", ["--mpt", "off"])] + [(f"{mode}_tau{tau}", ["--mpt", mode, "--mpt-tau", tau])
                                        for mode in ("static", "dynamic") for tau in MASTERED_TAUS]}),
+    # dynamic DMMPTs against sigma at one length and tau, beside no masking and static masking
+    "sigma": dict(steps=STEPS, common=[*PAPER_LR, "--eval-every", "25", "--eval-n", "256", "--data", "tiny:8",
+                                       "--eval-data", "tiny:8", "--mpt-tau", "0.9"], variants={
+        "off": ["--mpt", "off"], "static": ["--mpt", "static"],
+        **{f"dynamic_sigma{s}": ["--mpt", "dynamic", "--mpt-sigma", s] for s in SIGMA_DOSES}}),
     # ProRL's recipe where it differs from the tiny default: no DMMPTs, decoupled clip 0.2 / 0.4
     "boundary": dict(steps=200, common=PRORL_COMMON, variants=PRORL_ARMS),
     # the same three arms at larger learning rates, where a run without the anchor stops improving
@@ -278,6 +287,42 @@ def finding_mastered(runs: dict, steps: int, figure: str) -> dict:
         {"title": f"Cov(log-prob, advantage), tiny:{top} (trailing mean of 5)", "xlabel": "step",
          "lines": curves(at_top, "entropy/cov", 5)},
     ], figure, "DMMPTs against the response length and tau: mean over seeds, band = lowest to highest seed")
+    return numbers
+
+
+def finding_sigma(runs: dict, steps: int, figure: str) -> dict:
+    """Dynamic DMMPTs against sigma: where each run's entropy settles (the mean of its last 20 steps) against
+    its sigma, beside no masking and static masking, with the tokens masked and the covariance they carry."""
+    numbers = common_numbers(runs, steps)
+    late = max(1, steps - 19)
+    sigmas = {v: float(v.rpartition("sigma")[2]) for v in runs if v.startswith("dynamic_sigma")}
+    for v, seeds in runs.items():
+        n = numbers[v]
+        n["masked_frac_late"] = spread([window_mean(rs, "mpt/masked_frac", late, steps) for rs in seeds])
+        n["push_removed"] = spread([m / c for m, c in zip(n["cov_masked"]["seeds"], n["cov"]["seeds"])])
+        if v in sigmas:  # where the entropy settled, from sigma: 0 is "holds at sigma"
+            n["late_minus_sigma"] = spread([e - sigmas[v] for e in n["entropy_last20"]["seeds"]])
+    print_table(numbers, ["eval_first", "eval_last", "entropy_first10", "entropy_last20", "masked_frac_late",
+                          "push_removed"])
+    xs = sorted(sigmas.values())
+    by_sigma = [next(v for v, s in sigmas.items() if s == x) for x in xs]
+    settle = {"dynamic": (xs, [numbers[v]["entropy_last20"]["mean"] for v in by_sigma],
+                          [min(numbers[v]["entropy_last20"]["seeds"]) for v in by_sigma],
+                          [max(numbers[v]["entropy_last20"]["seeds"]) for v in by_sigma])} if xs else {}
+    if xs:  # no masking and static masking, which have no sigma, as flat lines across the doses
+        settle |= {v: (xs, [numbers[v]["entropy_last20"]["mean"]] * len(xs), None, None) for v in ("off", "static")
+                   if v in runs}
+        settle["entropy = sigma"] = (xs, xs, None, None)
+    flat = {f"{v}: sigma": ([1, steps], [s, s], None, None) for v, s in sigmas.items()}
+    plot.panel_figure([
+        {"title": "mean token entropy (trailing mean of 5); dashed: each run's sigma", "xlabel": "step",
+         "lines": curves(runs, "entropy/mean", 5) | flat, "styles": {label: "--" for label in flat},
+         "colors": {**{v: v for v in runs}, **{f"{v}: sigma": v for v in sigmas}}},
+        {"title": f"entropy, steps {late}-{steps}, against sigma", "xlabel": "sigma", "style": "o-", "lines": settle,
+         "styles": {"off": "--", "static": "--", "entropy = sigma": ":"}},
+        {"title": "tokens masked (trailing mean of 5)", "xlabel": "step", "lines": curves(runs, "mpt/masked_frac", 5)},
+        {"title": eval_title(runs), "xlabel": "step", "lines": curves(runs, "eval/accuracy"), "style": "o-"},
+    ], figure, "dynamic DMMPTs against sigma (tiny:8, tau 0.9): mean over seeds, band = lowest to highest seed")
     return numbers
 
 
@@ -601,6 +646,8 @@ def main(argv=None) -> dict:
         numbers = finding_length(runs, steps, figure, root, seeds)
     elif args.finding == "mastered":
         numbers = finding_mastered(runs, steps, figure)
+    elif args.finding == "sigma":
+        numbers = finding_sigma(runs, steps, figure)
     elif args.finding == "prolonged":
         numbers = finding_prolonged(runs, steps, figure)
     elif args.finding == "boundary":

@@ -148,6 +148,35 @@ def test_the_mastered_finding_sets_dmmpts_against_the_response_length(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_sigma_finding_sets_dynamic_dmmpts_against_sigma(tmp_path):
+    """The sigma finding at a trivial size, static and one dynamic arm (--only): every run on tiny:8 at tau 0.9,
+    each dynamic one at the sigma its name gives; where the entropy settled is read against that sigma."""
+    variants = findings().FINDINGS["sigma"]["variants"]
+    assert [v for v in variants if v.startswith("dynamic")] == [f"dynamic_sigma{s}" for s in findings().SIGMA_DOSES]
+    only = "static,dynamic_sigma0.12"
+    cmd = [sys.executable, "experiments/findings.py", "sigma", "--only", only, "--seeds", "0", "--root", str(tmp_path),
+           "--steps", "2", "--eval-n", "8", "--eval-every", "2", "--prompts-per-step", "2", "--train-groups", "2",
+           "--jobs", "2"]
+    p = run(cmd, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    numbers = json.loads(p.stdout.strip().splitlines()[-1])["numbers"]
+    assert set(numbers) == set(only.split(","))
+    for variant, row in numbers.items():
+        with open(tmp_path / "sigma" / f"{variant}_s0" / "metrics.jsonl") as f:
+            records = [json.loads(line) for line in f]
+        config, trained = records[0]["config"], records[1:]
+        assert config["data"] == config["eval_data"] == "tiny:8" and config["mpt_tau"] == 0.9
+        assert config["mpt"] == variant.split("_")[0]
+        late = sum(r["entropy/mean"] for r in trained) / 2  # both steps are the "last 20"
+        assert row["entropy_last20"]["mean"] == pytest.approx(late)
+        if config["mpt"] == "dynamic":
+            assert config["mpt_sigma"] == 0.12 and row["late_minus_sigma"]["mean"] == pytest.approx(late - 0.12)
+        else:
+            assert "late_minus_sigma" not in row
+    assert open(tmp_path / "sigma" / "sigma.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
 def test_variants_of_ones_own_over_seeds(tmp_path):
     cmd = [sys.executable, "experiments/findings.py", "variants", "--variant", "kl=--kl-coef 0.1 --mpt off", "--seeds",
            "0", "--root", str(tmp_path), "--name", "mine", "--keys", "loss/kl,mpt/masked_frac,eval/accuracy",
