@@ -636,20 +636,12 @@ def main(argv=None) -> dict:
     print(f"{name}: variants {list(spec['variants'])} x seeds {seeds} into {root}/{name}", flush=True)
     runs = run_all(name, spec, seeds, root, extra, args.jobs)
     steps = max(r["step"] for r in runs[next(iter(runs))][0])
-    if args.finding == "dmmpt":
-        numbers = finding_dmmpt(runs, steps, figure)
-    elif args.finding == "is":
-        numbers = finding_is(runs, steps, figure)
-    elif args.finding == "staleness":
-        numbers = finding_staleness(runs, steps, figure)
+    drawn_from_runs = {"dmmpt": finding_dmmpt, "is": finding_is, "staleness": finding_staleness,
+                       "mastered": finding_mastered, "sigma": finding_sigma, "prolonged": finding_prolonged}
+    if args.finding in drawn_from_runs:
+        numbers = drawn_from_runs[args.finding](runs, steps, figure)
     elif args.finding == "length":
         numbers = finding_length(runs, steps, figure, root, seeds)
-    elif args.finding == "mastered":
-        numbers = finding_mastered(runs, steps, figure)
-    elif args.finding == "sigma":
-        numbers = finding_sigma(runs, steps, figure)
-    elif args.finding == "prolonged":
-        numbers = finding_prolonged(runs, steps, figure)
     elif args.finding == "boundary":
         numbers = finding_boundary(runs, steps, figure, root, seeds, args.passk_samples, args.passk_problems)
     else:

@@ -114,6 +114,26 @@ def test_the_prolonged_finding_sets_each_arm_against_the_learning_rate(tmp_path)
     assert open(tmp_path / "prolonged" / "prolonged.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def two_steps(finding: str, only: str, tmp_path) -> list[tuple]:
+    """A finding's command at a trivial size (2 steps of 2 prompts, seed 0) for the variants `only` names: per
+    variant its row of the printed numbers, its run's config and its trained steps' records. Dynamic sampling
+    stays on, so every trained group has a right answer."""
+    cmd = [sys.executable, "experiments/findings.py", finding, "--only", only, "--seeds", "0", "--root", str(tmp_path),
+           "--steps", "2", "--eval-n", "8", "--eval-every", "2", "--prompts-per-step", "2", "--train-groups", "2",
+           "--jobs", "2"]
+    p = run(cmd, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    numbers = json.loads(p.stdout.strip().splitlines()[-1])["numbers"]
+    assert set(numbers) == set(only.split(","))
+    assert open(tmp_path / finding / f"{finding}.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    rows = []
+    for variant, row in numbers.items():
+        with open(tmp_path / finding / f"{variant}_s0" / "metrics.jsonl") as f:
+            records = [json.loads(line) for line in f]
+        rows.append((variant, row, records[0]["config"], records[1:]))
+    return rows
+
+
 @pytest.mark.slow
 def test_the_mastered_finding_sets_dmmpts_against_the_response_length(tmp_path):
     """The mastered-token finding at a trivial size, three of its arms (--only): each run trains on problems of
@@ -121,18 +141,8 @@ def test_the_mastered_finding_sets_dmmpts_against_the_response_length(tmp_path):
     the run's own records."""
     variants = findings().FINDINGS["mastered"]["variants"]
     assert {v.split("_", 1)[0] for v in variants} == {"k4", "k8", "k12"} and len(variants) == 15
-    only = "k4_off,k12_static_tau0.9,k12_dynamic_tau0.99"
-    cmd = [sys.executable, "experiments/findings.py", "mastered", "--only", only, "--seeds", "0", "--root",
-           str(tmp_path), "--steps", "2", "--eval-n", "8", "--eval-every", "2", "--prompts-per-step", "2",
-           "--train-groups", "2", "--jobs", "2"]  # dynamic sampling on: every trained group has a right answer
-    p = run(cmd, timeout=900)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    numbers = json.loads(p.stdout.strip().splitlines()[-1])["numbers"]
-    assert set(numbers) == set(only.split(","))
-    for variant, row in numbers.items():
-        with open(tmp_path / "mastered" / f"{variant}_s0" / "metrics.jsonl") as f:
-            records = [json.loads(line) for line in f]
-        config, trained = records[0]["config"], records[1:]
+    for variant, row, config, trained in two_steps("mastered", "k4_off,k12_static_tau0.9,k12_dynamic_tau0.99",
+                                                   tmp_path):
         k = int(variant.split("_")[0][1:])
         assert config["data"] == config["eval_data"] == f"tiny:{k}" and config["mpt"] == variant.split("_")[1]
         assert config["mpt_sigma"] == findings().MASTERED_SIGMA[k]
@@ -144,7 +154,6 @@ def test_the_mastered_finding_sets_dmmpts_against_the_response_length(tmp_path):
             assert config["mpt_tau"] == 0.9 and row["masked_frac"]["mean"] > 0 and masked != 0
         if config["mpt"] == "off":
             assert row["masked_frac"]["mean"] == 0 and masked == 0
-    assert open(tmp_path / "mastered" / "mastered.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
@@ -153,18 +162,7 @@ def test_the_sigma_finding_sets_dynamic_dmmpts_against_sigma(tmp_path):
     each dynamic one at the sigma its name gives; where the entropy settled is read against that sigma."""
     variants = findings().FINDINGS["sigma"]["variants"]
     assert [v for v in variants if v.startswith("dynamic")] == [f"dynamic_sigma{s}" for s in findings().SIGMA_DOSES]
-    only = "static,dynamic_sigma0.12"
-    cmd = [sys.executable, "experiments/findings.py", "sigma", "--only", only, "--seeds", "0", "--root", str(tmp_path),
-           "--steps", "2", "--eval-n", "8", "--eval-every", "2", "--prompts-per-step", "2", "--train-groups", "2",
-           "--jobs", "2"]
-    p = run(cmd, timeout=900)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    numbers = json.loads(p.stdout.strip().splitlines()[-1])["numbers"]
-    assert set(numbers) == set(only.split(","))
-    for variant, row in numbers.items():
-        with open(tmp_path / "sigma" / f"{variant}_s0" / "metrics.jsonl") as f:
-            records = [json.loads(line) for line in f]
-        config, trained = records[0]["config"], records[1:]
+    for variant, row, config, trained in two_steps("sigma", "static,dynamic_sigma0.12", tmp_path):
         assert config["data"] == config["eval_data"] == "tiny:8" and config["mpt_tau"] == 0.9
         assert config["mpt"] == variant.split("_")[0]
         late = sum(r["entropy/mean"] for r in trained) / 2  # both steps are the "last 20"
@@ -173,7 +171,6 @@ def test_the_sigma_finding_sets_dynamic_dmmpts_against_sigma(tmp_path):
             assert config["mpt_sigma"] == 0.12 and row["late_minus_sigma"]["mean"] == pytest.approx(late - 0.12)
         else:
             assert "late_minus_sigma" not in row
-    assert open(tmp_path / "sigma" / "sigma.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
