@@ -5,7 +5,7 @@ and one JSON line with the numbers docs/findings.md quotes.
 
     python experiments/findings.py dmmpt      # DMMPTs off / static / dynamic, sigma inside the task's range
     python experiments/findings.py mastered   # DMMPTs against the response length (tiny:4 / 8 / 12) and tau
-    python experiments/findings.py sigma      # dynamic DMMPTs against sigma (tiny:8, tau 0.9): where it holds
+    python experiments/findings.py sigma      # dynamic DMMPTs against sigma (tiny:8, tau 0.9): where the entropy settles
     python experiments/findings.py is         # TOIS (1 segment) / SAIS (4) / POIS (4): entropy, accuracy, clipping
     python experiments/findings.py staleness  # TOIS / SAIS / POIS against how stale the trained tokens are
     python experiments/findings.py length     # held-out accuracy against --max-response-len 16 / 32 / 48 / 64
@@ -304,12 +304,12 @@ def finding_sigma(runs: dict, steps: int, figure: str) -> dict:
             n["late_minus_sigma"] = spread([e - sigmas[v] for e in n["entropy_last20"]["seeds"]])
     print_table(numbers, ["eval_first", "eval_last", "entropy_first10", "entropy_last20", "masked_frac_late",
                           "push_removed"])
-    xs = sorted(sigmas.values())
-    by_sigma = [next(v for v, s in sigmas.items() if s == x) for x in xs]
-    settle = {"dynamic": (xs, [numbers[v]["entropy_last20"]["mean"] for v in by_sigma],
-                          [min(numbers[v]["entropy_last20"]["seeds"]) for v in by_sigma],
-                          [max(numbers[v]["entropy_last20"]["seeds"]) for v in by_sigma])} if xs else {}
+    by_sigma = sorted(sigmas, key=sigmas.get)
+    xs, late_h = [sigmas[v] for v in by_sigma], [numbers[v]["entropy_last20"] for v in by_sigma]
+    settle = {}
     if xs:  # no masking and static masking, which have no sigma, as flat lines across the doses
+        settle["dynamic"] = (xs, [h["mean"] for h in late_h], [min(h["seeds"]) for h in late_h],
+                             [max(h["seeds"]) for h in late_h])
         settle |= {v: (xs, [numbers[v]["entropy_last20"]["mean"]] * len(xs), None, None) for v in ("off", "static")
                    if v in runs}
         settle["entropy = sigma"] = (xs, xs, None, None)
