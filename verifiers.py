@@ -323,6 +323,13 @@ def rg_probe(name: str, entries: list[tuple[str, str]], timeout: float = 60.0) -
     found = {}  # canary -> [(score, row)], a canary that errs or hangs scores 0, as in training
     for (canary, borrowed, row, _), score in zip(tried, scores):
         found.setdefault((canary, borrowed), []).append((score, row))
+    return canary_verdict(name, found, answers)
+
+
+def canary_verdict(name: str, found: dict, answers: list) -> tuple[bool, str]:
+    """rg_probe's verdict from each canary's scores (`found`: (canary, whether it is another row's answer) ->
+    [(score, row)]; `answers`: the rows' own): refused (ValueError) when one scores full marks, another row's
+    answer on half the rows it is tried on; (True, why) when one earns partial credit; else (False, why)."""
     for (canary, borrowed), results in found.items():
         full = [row for score, row in results if score >= 1.0]
         if full and (not borrowed or len(full) >= max(2, len(results) / 2)):

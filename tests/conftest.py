@@ -304,7 +304,7 @@ def spawn(func, world: int, *args, timeout: float = 300) -> None:
 # that the two workers of -n 2 end together instead of one finishing a long file alone; the rest follow in pytest's order
 LONGEST_FIRST = ["test_bench", "test_overlap", "test_experiments", "test_engine_gap", "test_moe", "test_gpu_check",
                  "test_train", "test_bf16", "test_run_files", "test_vllm", "test_distributed", "test_guide", "test_golden",
-                 "test_reward", "test_plan", "test_placement", "test_resume"]
+                 "test_reward", "test_plan", "test_placement", "test_resume", "test_flags", "test_splits"]
 
 
 def undocumented_metrics(records: list[dict]) -> list[str]:

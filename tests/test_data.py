@@ -366,3 +366,12 @@ def test_code_and_ifeval_answers_are_checked_when_loaded(tmp_path):
         path = write_jsonl(tmp_path / f"bad{i}.jsonl", [good[1], obj])
         with pytest.raises(ValueError, match=rf"bad{i}.jsonl:2: field 'answer' \(the answer of a '\w+' row\).*{match}"):
             data.load_rows(path)
+
+
+def test_max_prompt_len_keeps_a_prompt_of_exactly_that_many_tokens():
+    """--max-prompt-len counts the prompt's tokens: at the limit it is drawn, one over it is skipped."""
+    tok = tiny.make_tokenizer()
+    rows = [{"prompt": p, "answer": "0", "verifier": "tiny"} for p in ("1+2=", "1+2+=", "1+2+3=")]  # 4, 5, 6 tokens
+    prompts, cursor, skipped = data.draw_prompts(rows, 0, 0, 20, tok, 5)
+    assert {len(ids) for ids, _ in prompts} == {4, 5} and skipped == data.draw_order(3, 0, 0, cursor).count(2) > 0
+

@@ -7,6 +7,7 @@ not tested. The runs use vLLM's CPU build in bfloat16, on the tiny dense model a
     python -m pytest tests/test_engine_gap.py        # ~1.5 minutes on 2 cores; the vLLM runs skip without vLLM
 """
 import json
+import math
 import os
 import random
 import sys
@@ -45,6 +46,36 @@ def test_the_check_compares_with_the_recent_median_and_a_ceiling():
         engine_gap.check(6e-4, 0.1, cfg, recent)
     off = parse_config(["--engine-kl-jump", "0", "--max-engine-kl", "0"])
     engine_gap.check(50.0, 100.0, off, [1e-9])
+
+
+def test_the_gap_counts_only_the_tokens_the_current_weights_sampled():
+    """Of a micro-batch's tokens (versions 3, the weights being updated; 2, an older segment; -1, padding), the
+    check compares only version 3's: older ones far from the engine's log-probs change nothing, and version 3's
+    own gap is counted in full (k3 of a 0.5-nat gap, e^0.5 - 1.5 = 0.149 a token; the reverse KL would give 0.107)."""
+    from types import SimpleNamespace
+    versions = torch.tensor([[3] * 10 + [2] * 6 + [-1] * 4])
+    trainer = torch.full((1, 20), -1.0)
+
+    def kl(fresh_gap):
+        engine = trainer + torch.where(versions == 3, fresh_gap, 5.0)
+        watch = engine_gap.Watch(parse_config(["--max-engine-kl", "0", "--engine-kl-jump", "0"]), [])
+        watch.start(3)
+        watch.add(SimpleNamespace(versions=versions, behaviour=engine), trainer)
+        watch.check()
+        return watch.gap.n, watch.gap.kl()
+
+    assert kl(0.0) == (10, 0.0)
+    n, off = kl(-0.5)  # trainer - engine = +0.5 on each: k3 = e^0.5 - 1 - 0.5
+    assert n == 10 and off == pytest.approx(math.exp(0.5) - 1.5)
+
+
+def test_the_two_largest_tokens_are_left_out_only_past_twice_their_number():
+    """trimmed_kl leaves out the GAP_OUTLIERS (2) largest k3 values of a step only when it compared more than 4
+    tokens: at 4 every token counts, at 5 the mean is of the 3 others."""
+    assert engine_gap.GAP_OUTLIERS == 2
+    assert engine_gap.trimmed_kl(1.0 + 2.0 + 0.1 + 0.1, 4, [2.0, 1.0]) == pytest.approx(3.2 / 4)
+    assert engine_gap.trimmed_kl(1.0 + 2.0 + 0.3, 5, [2.0, 1.0]) == pytest.approx(0.3 / 3)
+    assert engine_gap.trimmed_kl(0.0, 0, []) is None
 
 
 def test_one_or_two_bf16_outliers_do_not_stop_the_run_and_a_stale_engine_does():

@@ -95,6 +95,12 @@ def test_partial_credit_counts_toward_mean_reward_not_accuracy():
     assert r["mean_reward"] == pytest.approx(4.0 / 8)
     assert r["pass@k"]["4"] == pytest.approx(1 / 2)  # problem 1 is never solved
     assert r["pass@k"]["1"] == pytest.approx((1 / 4 + 0) / 2)
+    # just below full marks: 99 of 100 constraints met is not solved
+    nearly = {**row, "answer": json.dumps([{"type": "max_words", "n": 2}] * 99 + [{"type": "no_commas"}])}
+    groups = [[Sample(i, 0, [3], nearly, tokens=tok(t).input_ids + [tok.eos_token_id], finish="eos")
+               for i, t in enumerate(["7,7", "7"])]]
+    per_problem, _ = ev.score(groups, tok, max_len=64, timeout=10.0)
+    assert per_problem[0]["rewards"] == [0.99, 1.0] and per_problem[0]["correct"] == [False, True]
 
 
 # ------------------------------------------------------------------------------------------ sampling

@@ -497,6 +497,18 @@ def test_policy_loss_metrics_hand():
     assert m["loss/kl"] == 0.0
 
 
+def test_a_ratio_on_a_clip_bound_is_not_clipped():
+    """The clip metrics count a token whose ratio is past its bound: just inside (1.2 - 1e-9 for A > 0, 0.8 + 1e-9
+    for A < 0) and on it (1.2, 0.8: the clipped and unclipped terms are equal) are not clipped, just past is."""
+    for ratio, adv, key, clipped in [(1.2 - 1e-9, 1.0, "clip/high_frac", 0), (1.2, 1.0, "clip/high_frac", 0),
+                                      (1.2 + 1e-9, 1.0, "clip/high_frac", 1), (0.8 + 1e-9, -1.0, "clip/low_frac", 0),
+                                      (0.8, -1.0, "clip/low_frac", 0), (0.8 - 1e-9, -1.0, "clip/low_frac", 1)]:
+        lp = torch.tensor([[math.log(ratio)]], dtype=torch.float64)
+        _, m = policy_loss(lp, torch.zeros_like(lp), torch.tensor([adv], dtype=torch.float64),
+                           torch.ones_like(lp, dtype=torch.bool), eps_low=0.2, eps_high=0.2)
+        assert m[key] == clipped, (ratio, key)
+
+
 def test_policy_loss_unknown_agg_raises():
     logprobs, old, adv, mask = _hand_inputs()
     with pytest.raises(ValueError, match="agg"):

@@ -743,3 +743,38 @@ def test_a_math_bomb_hits_the_workers_memory_cap_not_the_machine():
     # math-verify catches the MemoryError itself (a failed parse): 0, within seconds, not at the timeout
     assert (scores, timeouts) == ("[0.0]", "0") and int(errors) <= 1 and int(seconds) < 30, proc.stdout
     assert second == "[1.0]"
+
+
+def test_math_reads_the_end_of_a_response_longer_than_its_window():
+    """math-verify reads the last MAX_PARSE_CHARS characters of a response's final text, where its answer is: a
+    boxed answer after 12,000 characters of working is read; one before them is outside the window (the working
+    holds no number the fallback could take)."""
+    working = "so we keep going " * (12_000 // 17)
+    assert len(working) > verifiers.MAX_PARSE_CHARS
+    assert verifiers.math_reward(working + r"\boxed{42}", "42") == 1.0
+    assert verifiers.math_reward(r"\boxed{42}" + working, "42") == 0.0
+    assert verifiers.math_reward(working[:verifiers.MAX_PARSE_CHARS - 12] + r" \boxed{42}", "42") == 1.0
+
+
+@pytest.mark.parametrize("score, borrowed, verdict", [
+    (1.0, False, "refused"), (0.999, False, "full marks"), (1e-3, False, "full marks"), (0.0, False, "as is"),
+    (1.0, True, "as is")])
+def test_a_canary_s_score_decides_on_each_side_of_full_marks(score, borrowed, verdict):
+    """A wrong answer scoring 1.0 refuses a Reasoning Gym dataset, any credit below 1.0 makes it full-marks-only,
+    none leaves its scores as they are; another row's answer refuses it only when it solves half the rows it is
+    tried on (2 of 4 here: 1 of 4 is a puzzle with two solutions)."""
+    found = {("0", borrowed): [(score, 0)] + [(0.0, row) for row in (1, 2, 3)]}
+    if verdict == "refused":
+        with pytest.raises(ValueError, match="scores 1.0 on probe row 0"):
+            verifiers.canary_verdict("x", found, ["7"] * 4)
+    else:
+        assert verifiers.canary_verdict("x", found, ["7"] * 4)[0] == (verdict == "full marks")
+    twice = {("8", True): [(1.0, 0), (1.0, 1), (0.0, 2), (0.0, 3)]}
+    with pytest.raises(ValueError, match="scores 1.0 on probe rows 0, 1"):
+        verifiers.canary_verdict("x", twice, ["7"] * 4)
+
+
+def test_a_final_answer_of_the_longest_length_is_compared_one_longer_is_not():
+    """math_equal compares a prediction of MAX_ANSWER_CHARS characters and refuses one of a character more."""
+    n = verifiers.MAX_ANSWER_CHARS
+    assert math_equal("7" + " " * (n - 1), "7") and not math_equal("7" + " " * n, "7")

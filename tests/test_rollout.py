@@ -138,3 +138,135 @@ def test_truncated_sample_scores_zero(tok):
     assert run("zero") == [0.0, 1.0, 0.0]  # UloRL: truncated scores 0 (the default)
     assert run("none") == [1.0, 1.0, 0.0]
     assert run("filter") == [1.0, 1.0, 0.0]  # the update drops truncated samples instead
+
+
+def test_the_overlong_penalty_counts_response_tokens_on_each_side_of_its_buffer(tok):
+    """DAPO's soft penalty over the last 4 tokens before a cap of 12, for samples whose prompt (30 tokens) is longer
+    than the cap: 8 response tokens are free, 9 lose 1/4, 11 lose 3/4, a truncated one (12) scores -1; under
+    "zero" a sample of exactly 12 tokens that ended by EOS keeps its reward, a truncated one scores 0."""
+    row = make_row("1+2+3+4+5+6+7+8+9+1+2+3+4+5+6=")
+    prompt = ids(tok, row["prompt"])
+    assert len(prompt) == 30
+
+    def rewards(overlong, lengths, finish="eos"):
+        samples = [Sample(i, i, prompt, row, tokens=[tok.eos_token_id] * n,
+                          finish="truncated" if finish == "truncated" and n == 12 else "eos") for i, n in enumerate(lengths)]
+        reward.score_samples(samples, [":66"] * len(samples), 12, overlong, 4)  # every text right: 1 before the rule
+        return [s.reward for s in samples]
+
+    assert rewards("soft", [7, 8, 9, 11]) == [1.0, 1.0, 0.75, 0.25]
+    assert rewards("soft", [12], "truncated") == [-1.0]
+    assert rewards("zero", [11, 12]) == [1.0, 1.0] and rewards("zero", [12], "truncated") == [0.0]
+
+
+class Recording:
+    """An engine that records what every generate call asks for, with the pools it was asked from and how many
+    groups were ready for the update then."""
+
+    def __init__(self, engine, pools, state=None):
+        self.engine, self.pools, self.state, self.calls = engine, pools, state, []
+
+    def generate(self, prompts, max_tokens, sampling, keys=None):
+        batch = list(self.pools.unfinished)  # rollout_step puts the whole batch there before it asks
+        self.calls.append({"prompts": [list(p) for p in prompts], "max_tokens": list(max_tokens),
+                           "expected": [(s.prompt_ids + s.tokens, len(s.tokens)) for s in batch],
+                           "ready": len(self.state.ready) if self.state else 0})
+        return self.engine.generate(prompts, max_tokens, sampling, keys)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.fixture(scope="module")
+def rounds(tok, lm):
+    """Six steps of the trainer's rollout (rollouts.Rollouts) on 12-term problems (prompts of 24 tokens) with 3
+    prompts x 2 samples a round, 4 segments of 4 tokens (cap 16), 1 group trained a step: unfinished samples
+    continue at every round beside new ones, and groups left over from a step wait for the next. Returns (the recording engine, the samples of the trained groups, the
+    config, each step's (groups ready before it, its record))."""
+    import config
+    import rollouts
+    import tiny
+    import ulorl
+    cfg = config.parse_config(["--prompts-per-step", "3", "--group-size", "2", "--segments", "4",
+                               "--max-response-len", "16", "--train-groups", "1", "--dynamic-sampling", "false",
+                               "--data", "tiny:12"])
+    pools, state = Pools(), ulorl.RunState()
+    engine = Recording(HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=0), pools, state)
+    roll = rollouts.Rollouts(engine, pools, tiny.make_rows(200, 0, 12), state, tok, Sampling(1.0), cfg, None)
+    trained, steps = [], []
+    for _ in range(6):
+        before = len(state.ready)
+        batch = roll.next()
+        trained += [s for g in batch.groups for s in g]
+        steps.append((before, batch.record))
+        state.version += 1
+    return engine, trained, cfg, steps
+
+
+def test_no_round_holds_more_than_prompts_times_group_and_a_refill_fills_it(rounds):
+    """A round decodes the unfinished samples and as many new groups as fit beside them in prompts x G rows: never
+    more rows, never room for one more group left unused while fewer groups are ready than a step trains, and no
+    new group once that many are ready (the unfinished samples still advance: every step runs a round)."""
+    engine, _, cfg, steps = rounds
+    slots = cfg.prompts_per_step * cfg.group_size
+    sizes = []
+    for call in engine.calls:
+        continued = sum(n > 0 for _, n in call["expected"])
+        new = len(call["prompts"]) - continued
+        assert len(call["prompts"]) <= slots and new % cfg.group_size == 0
+        if call["ready"] < cfg.train_groups:
+            assert slots - len(call["prompts"]) < cfg.group_size
+        else:
+            assert new == 0
+        sizes.append((continued, new, call["ready"] >= cfg.train_groups))
+    assert any(c and n for c, n, _ in sizes) and any(c and not n for c, n, _ in sizes)  # refills, and rounds without
+    assert any(full for _, _, full in sizes)  # rounds that began with enough groups ready
+    assert all(record["rollout/rounds"] >= 1 for _, record in steps)
+    assert any(before >= cfg.train_groups for before, _ in steps)
+
+
+def test_a_continued_sample_asks_for_its_prompt_and_every_token_it_has_within_the_response_cap(rounds):
+    """Each request is the sample's prompt followed by its whole response so far, and its budget is the segment
+    or what the response cap (16 response tokens, the 24-token prompt not counted) leaves; a truncated sample
+    ends with exactly 16 response tokens."""
+    engine, trained, cfg, _ = rounds
+    segment = cfg.max_response_len // cfg.segments
+    for call in engine.calls:
+        assert call["prompts"] == [p for p, _ in call["expected"]]
+        assert call["max_tokens"] == [min(segment, cfg.max_response_len - n) for _, n in call["expected"]]
+    assert any(n == 3 * segment for call in engine.calls for _, n in call["expected"])  # a 4th segment asked for
+    assert any(s.finish == "truncated" for s in trained)
+    assert all(len(s.tokens) == cfg.max_response_len for s in trained if s.finish == "truncated")
+
+
+
+def test_a_round_the_engine_fails_is_retried_with_every_sample_it_held(tok, lm):
+    """The engine raises once, in a round that holds continued and new samples: the retry decodes exactly those
+    (the new ones already wait in the unfinished pool), and every drawn sample ends in exactly one place."""
+    import config
+    import rollouts
+    import tiny
+    import ulorl
+
+    class FailsOnce(Recording):  # in the first round that continues some samples and starts others
+        def generate(self, prompts, max_tokens, sampling, keys=None):
+            seen = {k for call in self.calls for k in call["keys"]}
+            self.calls.append({"keys": list(keys)})
+            if not self.failed and seen & set(keys) and set(keys) - seen:
+                self.failed = len(self.calls)
+                raise RuntimeError("the engine fell over")
+            return self.engine.generate(prompts, max_tokens, sampling, keys)
+
+    cfg = config.parse_config(["--prompts-per-step", "3", "--group-size", "2", "--segments", "4",
+                               "--max-response-len", "16", "--train-groups", "2", "--dynamic-sampling", "false"])
+    pools, state = Pools(), ulorl.RunState()
+    engine = FailsOnce(HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=0), pools)
+    engine.failed = 0
+    roll = rollouts.Rollouts(engine, pools, tiny.make_rows(50, 0, 12), state, tok, Sampling(1.0), cfg, None)
+    trained = [s for _ in range(3) for g in roll.next().groups for s in g]
+    assert engine.failed
+    failed, retry = (engine.calls[engine.failed + i]["keys"] for i in (-1, 0))
+    assert retry == failed
+    where = [s.uid for s in trained + pools.unfinished + [s for g in pools.experience.values() for s in g]
+             + [s for g in state.ready for s in g]]
+    assert sorted(where) == list(range(pools.next_uid))

@@ -228,11 +228,12 @@ def test_reset_reference(tok, lm):
     assert any(not torch.equal(p, r) for p, r in zip(policy.parameters(), ref.parameters()))
     assert len(opt.state) > 0
 
+    trained = copy.deepcopy(policy.state_dict())
     ulorl.reset_reference(policy, ref, opt)
     pol_sd, ref_sd = policy.state_dict(), ref.state_dict()
-    assert pol_sd.keys() == ref_sd.keys()
-    for k in pol_sd:
-        assert torch.equal(pol_sd[k], ref_sd[k]), k
+    assert pol_sd.keys() == ref_sd.keys() == trained.keys()
+    for k in pol_sd:  # the policy is copied into the reference, never the other way
+        assert torch.equal(pol_sd[k], trained[k]) and torch.equal(ref_sd[k], trained[k]), k
     pol_ptrs = {p.data_ptr() for p in policy.parameters()}
     assert not pol_ptrs & {p.data_ptr() for p in ref.parameters()}, "ref must own its tensors"
     assert ref.get_output_embeddings().weight is ref.get_input_embeddings().weight  # still tied
@@ -265,6 +266,28 @@ def test_update_divides_by_every_response_token_under_dmmpts(tok, multi_version)
                        groups, 2, tok.pad_token_id, cfg, Ranks())
     assert out["loss/policy"] == pytest.approx(expected, rel=1e-5)
     assert out["mpt/masked_frac"] == pytest.approx(1 - keep.sum().item() / mb.resp_mask.sum().item())
+
+
+def test_update_averages_each_sample_first_under_agg_sample(tok, multi_version):
+    """--agg sample (GRPO): the update's first loss under POIS (each kept token's loss is -A) is the mean over
+    samples of each one's sum of -A over the tokens DMMPTs keep divided by its own response length, over micro-batches
+    of a few samples each."""
+    policy, groups, _ = multi_version
+    policy = copy.deepcopy(policy)
+    samples = [s for g in groups for s in g]
+    cfg = config.parse_config(["--mpt", "static", "--mpt-tau", "0.05", "--segments", "1", "--max-response-len", "64",
+                               "--agg", "sample", "--max-tokens-per-micro-batch", "64"])
+    mb = model_lib.collate(samples, tok.pad_token_id)
+    with torch.no_grad():
+        current, entropy = model_lib.response_logprobs(policy.eval(), mb, cfg.temperature)
+    keep = mb.resp_mask & loss.mpt_mask(current, entropy, mb.rewards, mb.resp_mask, 0.05, math.inf)
+    adv = ulorl.sample_advantages(groups)
+    expected = sum(-adv[i].item() * keep[i].sum().item() / len(s.tokens) for i, s in enumerate(samples)) / len(samples)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+    assert len(ulorl.plan_micro_batches(samples, adv, tok.pad_token_id, cfg, Ranks())[0]) > 2
+    out = ulorl.update(model_lib.wrap(policy, "none"), None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                       groups, 2, tok.pad_token_id, cfg, Ranks())
+    assert out["loss/policy"] == pytest.approx(expected, rel=1e-5) and abs(expected) > 1e-3
 
 
 def test_update_logs_the_covariance_of_log_prob_and_advantage_and_the_part_dmmpts_mask(tok, multi_version):
