@@ -58,7 +58,10 @@ class Config:
     data: str = flag("tiny", "training prompts: 'tiny' ('tiny:K': every problem K terms), a .jsonl/.json/.parquet "
                              "file, a saved dataset, a hub name, rg:NAME[:SIZE] (Reasoning Gym), or a mixture "
                              "'a.jsonl@0.7,rg:chain_sum@0.3'")
-    eval_data: str = flag("tiny", "held-out prompts for --eval-every (same formats as --data); '' = none")
+    eval_data: str = flag("auto", "held-out prompts for --eval-every (same formats as --data); auto: --data's own "
+                                  "held-out draw where it has one (tiny, tiny:K and rg:NAME: problems, or a seed, "
+                                  "training never draws), none for files and datasets; '' = none. Training leaves "
+                                  "out every prompt the held-out set holds")
     prompt_key: str = flag("prompt", "column holding the prompt (dotted paths reach nested columns)")
     answer_key: str = flag("answer", "column holding the reference answer")
     steps: int = flag(150, "training steps (one update phase each)",
@@ -332,12 +335,30 @@ def parse_config(argv=None, description: str = __doc__) -> Config:
             p.error(f"{name} {value}: must be a finite number")
         if ok and not ok[0](value):
             p.error(f"{name} {value}: {ok[1]}")
+    if cfg.eval_data == "auto":
+        cfg.eval_data = held_out_of(cfg.data, cfg.eval_every)
     for problem in config_problems(cfg):
         p.error(problem)
     if (cfg.ref_reset_every or cfg.ref_reset_on_stall) and cfg.kl_coef == 0:
         print("warning: --ref-reset-every/--ref-reset-on-stall with --kl-coef 0: there is no reference, so a "
               "reset only clears the optimizer state", file=sys.stderr, flush=True)
     return cfg
+
+
+def held_out_of(spec: str, eval_every: int) -> str:
+    """--eval-data auto: --data itself where every source of it has a held-out draw of its own (the built-in task,
+    Reasoning Gym: data.load_prompts(held_out=True)), else none, said once."""
+    import data
+    try:
+        sources = data.parse_mixture(spec)
+    except ValueError:
+        return ""  # --data's own check says what is wrong with it
+    if all(source == "tiny" or source.startswith(("tiny:", "rg:")) for source, _ in sources):
+        return spec
+    if eval_every:
+        print(f"note: --data {spec} has no held-out draw of its own: no held-out evaluation (--eval-data auto); name "
+              f"held-out prompts with --eval-data FILE", file=sys.stderr, flush=True)
+    return ""
 
 
 def data_problems(cfg: Config) -> list[str]:

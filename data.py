@@ -219,6 +219,29 @@ def load_prompts(spec: str, seed: int = 0, held_out: bool = False, n: int | None
     return rows[:n] if held_out else rows
 
 
+def prompt_text(prompt: str | list[dict]) -> str:
+    """A prompt as the text two rows are compared by: a string stripped, chat messages as their roles and contents."""
+    if isinstance(prompt, str):
+        return prompt.strip()
+    return json.dumps([[m["role"], m["content"].strip()] for m in prompt])
+
+
+def without_held_out(rows: list[dict], held_out: list[dict], spec: str, eval_spec: str) -> list[dict]:
+    """The training rows whose prompt is none of the held-out rows' (prompt_text): accuracy on prompts training
+    saw measures recall, not skill. How many were left out is said; none left is an error."""
+    if not held_out:
+        return rows
+    seen = {prompt_text(r["prompt"]) for r in held_out}
+    kept = [r for r in rows if prompt_text(r["prompt"]) not in seen]
+    if not kept:
+        raise ValueError(f"--data {spec}: every prompt is also in the held-out set (--eval-data {eval_spec}); give "
+                         f"held-out prompts training does not use, or --eval-data '' for none")
+    if len(kept) < len(rows):
+        print(f"--data {spec}: {len(rows) - len(kept)} of {len(rows)} rows have a prompt of the held-out set "
+              f"(--eval-data {eval_spec}) and are left out of training", file=sys.stderr, flush=True)
+    return kept
+
+
 def tiny_terms(source: str) -> int | None:
     """K of "tiny:K" (None for "tiny"), checked."""
     if source == "tiny":

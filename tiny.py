@@ -7,7 +7,8 @@ answer after ':'
     prompt  "3+4+5="        response  "4=7,5=12:12<eos>"        answer "12"
 
 The number of terms k is drawn with P(k) ~ k^-1.5, so most responses are short (k=2: 6 tokens) and a few
-run to ~60 tokens: the long tail that makes segment rollout worth it (UloRL section 3.1).
+run to ~60 tokens: the long tail that makes segment rollout worth it (UloRL section 3.1). One problem in 8 (by
+a hash of its text: `held_out`) belongs to the held-out set and is never drawn for training.
 
 The warm start imitates a *sloppy teacher*: each running sum is off by one with probability `SLIP` (0.2),
 and the teacher carries on from the wrong value. Trained on that, the model has learned to add but also to
@@ -20,9 +21,11 @@ must teach it to stop slipping. This is the smallest honest stand-in for what RL
 """
 import argparse
 import functools
+import itertools
 import math
 import random
 import time
+import zlib
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -32,6 +35,7 @@ CHARS = "0123456789+=,:"
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 MIN_TERMS, MAX_TERMS, TAIL = 2, 12, 1.5  # P(k) ~ k^-TAIL for k in [MIN_TERMS, MAX_TERMS]
 SLIP = 0.2  # the warm-start teacher's chance of an off-by-one running sum
+HELD_OUT_SHARE = 8  # one problem in 8 is held out (held_out): training never draws it
 CKPT = "tiny_ckpt"  # the shipped warm start, relative to the repo root
 
 
@@ -92,6 +96,28 @@ def draw_terms(rng: random.Random, terms: int | None = None) -> list[int]:
     return [rng.randint(1, 9) for _ in range(k)]
 
 
+TERMS = range(MIN_TERMS, MAX_TERMS + 1)
+TERMS_CUM = list(itertools.accumulate(k ** -TAIL for k in TERMS))
+
+
+def held_out(prompt: str) -> bool:
+    """Whether a problem is in the held-out part of the task: one in HELD_OUT_SHARE of them, chosen by a hash of
+    its text, so that no held-out prompt is ever drawn for training, whatever the draws' sizes and seeds (11 of the
+    81 two-term problems, 88 of the 729 three-term ones). The space is small: held-out and training draws of the
+    whole task shared ~62% of their prompts."""
+    return zlib.crc32(prompt.encode()) % HELD_OUT_SHARE == 0
+
+
+def draw_prompt(rng: random.Random, terms: int | None, part: bool) -> str:
+    """A problem of `terms` terms (None: as many as the long tail draws) in the held-out part (`part` True) or the
+    training part, its terms redrawn until it is: the number of terms keeps the long tail's law in both."""
+    k = terms or rng.choices(TERMS, cum_weights=TERMS_CUM)[0]
+    while True:
+        prompt = "+".join(rng.choices("123456789", k=k)) + "="
+        if held_out(prompt) == part:
+            return prompt
+
+
 def teacher_response(terms: list[int], rng: random.Random, slip: float = 0.0) -> str:
     """Each next term and the running sum ("4=7"), then ':' and the final sum. Copying the term keeps every
     step local (add the number just written to the sum before it). With `slip` > 0 each sum may be off by
@@ -113,23 +139,20 @@ def check_terms(terms: int) -> None:
 
 
 @functools.lru_cache(maxsize=4)  # train.py draws the same 100k rows at every start (~1.5 s; bench/ starts it often)
-def make_rows(n: int, seed: int, terms: int | None = None) -> list[dict]:
-    """n problems as dataset rows (the same shape data.py loads from files), each of `terms` terms if given (the
-    `tiny:K` variant: every response as long as the tail's longest). Cached: never change the rows."""
+def make_rows(n: int, seed: int, terms: int | None = None, part: bool = False) -> list[dict]:
+    """n problems of the training part (`part` True: the held-out part) as dataset rows (the same shape data.py
+    loads from files), each of `terms` terms if given (the `tiny:K` variant: every response as long as the tail's
+    longest). Cached: never change the rows."""
     if terms is not None:
         check_terms(terms)
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        terms_ = draw_terms(rng, terms)
-        rows.append({"prompt": "+".join(map(str, terms_)) + "=", "answer": str(sum(terms_)),
-                     "verifier": "tiny"})
-    return rows
+    prompts = [draw_prompt(rng, terms, part) for _ in range(n)]
+    return [{"prompt": p, "answer": str(sum(map(int, p[:-1].split("+")))), "verifier": "tiny"} for p in prompts]
 
 
 def held_out_rows(n: int, seed: int = 0, terms: int | None = None) -> list[dict]:
-    """The held-out draw that train.py (--eval-data tiny) and eval.py evaluate on: a seed range training never uses."""
-    return make_rows(n, seed=10_000 + seed, terms=terms)
+    """The held-out draw that train.py (--eval-data tiny) and eval.py evaluate on: the held-out part's problems."""
+    return make_rows(n, seed=10_000 + seed, terms=terms, part=True)
 
 
 def pretrain(out: str, steps: int, batch: int, lr: float, seed: int) -> None:

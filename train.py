@@ -138,14 +138,15 @@ def stop_on_signals(lead: bool, state: RunState) -> list[str]:
 
 
 def load_data(cfg: Config, lead: bool) -> tuple[list[dict], list[dict]]:
-    """Rank 0's training and held-out rows (other ranks: none); a run whose rows run model output as code
-    stops here when this machine cannot isolate it."""
+    """Rank 0's training and held-out rows (other ranks: none), training's without any held-out prompt; a run
+    whose rows run model output as code stops here when this machine cannot isolate it."""
     if not lead:
         return [], []
     keys = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, default_verifier=cfg.default_verifier)
     rows = data.load_prompts(cfg.data, cfg.seed, **keys)
     evaluating = bool(cfg.eval_data and cfg.eval_every)
     eval_rows = data.load_prompts(cfg.eval_data, cfg.seed, True, cfg.eval_n, **keys) if evaluating else []
+    rows = data.without_held_out(rows, eval_rows, cfg.data, cfg.eval_data)
     if any(r["verifier"] in ("code", "rg") for r in rows + eval_rows) and (why := sandbox.available()):
         raise ValueError(why)  # model output that may run as code is never scored unisolated
     return rows, eval_rows

@@ -375,3 +375,53 @@ def test_max_prompt_len_keeps_a_prompt_of_exactly_that_many_tokens():
     prompts, cursor, skipped = data.draw_prompts(rows, 0, 0, 20, tok, 5)
     assert {len(ids) for ids, _ in prompts} == {4, 5} and skipped == data.draw_order(3, 0, 0, cursor).count(2) > 0
 
+
+@pytest.mark.parametrize("spec", ["tiny", "tiny:2"])
+def test_the_tiny_task_s_held_out_problems_are_never_drawn_for_training(spec):
+    """The built-in task is split by problem: every held-out problem (one in 8 of them, by a hash of its text) is
+    outside every training draw, whatever the seeds, so held-out accuracy is measured on problems training never
+    saw (the whole task's held-out draw once shared ~62% of its prompts with training's). Each part keeps the long
+    tail of term counts."""
+    train = data.load_prompts(spec, seed=3)  # the draw test_tiny_k... made (tiny.make_rows caches it)
+    for seed in (0, 3):
+        held = data.load_prompts(spec, seed=seed, held_out=True, n=512)
+        assert not {r["prompt"] for r in held} & {r["prompt"] for r in train}
+        assert all(tiny.held_out(r["prompt"]) for r in held) and not any(tiny.held_out(r["prompt"]) for r in train)
+    if spec == "tiny":
+        share = lambda rows, k: sum(r["prompt"].count("+") + 1 == k for r in rows) / len(rows)
+        assert abs(share(held, 2) - share(train, 2)) < 0.05 and share(held, 12) > 0
+    assert len({r["prompt"] for r in held}) > 8  # two-term problems: 11 of 81 are held out
+
+
+def test_a_file_evaluated_on_itself_trains_on_the_rest(tmp_path, capsys):
+    """--data F --eval-data F: the held-out set is F's first --eval-n rows, and training leaves out every row with
+    one of their prompts (a repeated prompt too), and says so; a held-out set that holds every prompt is refused
+    with what to pass instead."""
+    import config
+    import train
+    rows = [dict(r, verifier="tiny") for r in tiny.make_rows(10, seed=4)]
+    rows.append(dict(rows[1], answer="0"))  # row 1's prompt again, later in the file
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config.parse_config(["--data", str(path), "--eval-data", str(path), "--eval-n", "3"])
+    train_rows, held = train.load_data(cfg, lead=True)
+    assert [r["prompt"] for r in held] == [r["prompt"] for r in rows[:3]]
+    assert [r["prompt"] for r in train_rows] == [r["prompt"] for r in rows[3:10]]
+    assert f"4 of 11 rows have a prompt of the held-out set (--eval-data {path})" in capsys.readouterr().err
+    cfg = config.parse_config(["--data", str(path), "--eval-data", str(path), "--eval-n", "11"])
+    with pytest.raises(ValueError, match=r"every prompt is also in the held-out set .* or --eval-data '' for none"):
+        train.load_data(cfg, lead=True)
+
+
+def test_the_held_out_set_defaults_to_the_training_source_s_own(tmp_path, capsys):
+    """--eval-data auto: the built-in task's and Reasoning Gym's held-out draws; none for a file (said), where the
+    built-in task's problems would have been evaluated beside training on the file's."""
+    import config
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n")
+    assert config.parse_config([]).eval_data == "tiny"
+    assert config.parse_config(["--data", "tiny:4@1,rg:chain_sum@1", "--plan"]).eval_data == "tiny:4@1,rg:chain_sum@1"
+    capsys.readouterr()
+    assert config.parse_config(["--data", str(path)]).eval_data == ""
+    assert f"--data {path} has no held-out draw of its own: no held-out evaluation" in capsys.readouterr().err
+    assert config.parse_config(["--data", str(path), "--eval-data", "tiny"]).eval_data == "tiny"

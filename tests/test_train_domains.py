@@ -56,3 +56,17 @@ def test_prompts_all_too_long_stop_with_a_message(tmp_path):
             "--out", str(tmp_path)], cwd=ROOT, timeout=120,
             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode != 0 and "every prompt is longer than --max-prompt-len 64" in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.slow  # the dataset's probe runs its scorer in the sandbox
+def test_reasoning_gym_s_held_out_draw_is_left_out_of_training(capsys):
+    """rg:prime_factorization's problem space is small: 16 of 50 prompts of its held-out draw (another seed) were
+    also in a training draw of 300. --eval-data auto takes that held-out draw, and training leaves them out."""
+    import config
+    import train
+    cfg = config.parse_config(["--data", "rg:prime_factorization:300", "--eval-n", "50", "--max-prompt-len", "512"])
+    assert cfg.eval_data == "rg:prime_factorization:300"
+    rows, held = train.load_data(cfg, lead=True)
+    assert len(held) == 50 and not {r["prompt"] for r in rows} & {r["prompt"] for r in held}
+    left_out = 300 - len(rows)
+    assert left_out > 0 and f"{left_out} of 300 rows have a prompt of the held-out set" in capsys.readouterr().err
