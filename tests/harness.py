@@ -1,9 +1,9 @@
 """The trainer's own entry points run in the test's process with tiny budgets: `train.set_up` (`setup`) and
-`train.main` (`train`), with what they change of the process (threads, umask, signal handlers) put back, and
+`train.main` (`train_run`), with what they change of the process (threads, umask, signal handlers) put back, and
 what a run wrote read back as plain values (`observe`). A whole 2-step run takes ~0.5 s this way, a process
 ~3 s. Shared by tests/test_flags.py and tests/test_resume.py."""
 import contextlib
-import hashlib
+import copy
 import json
 import os
 import signal
@@ -11,7 +11,14 @@ import signal
 import torch
 
 import config
+import data
+import model as model_lib
+import reward
+import tiny
 import train
+import verifiers
+from engine import HFEngine, Sampling
+from segment_rollout import Pools, rollout_step
 
 # timing, memory and the startup record differ from run to run: never an observable
 VOLATILE = ("time/", "memory/", "tokens/per_s", "config", "git")
@@ -33,6 +40,7 @@ def process_state():
 
 
 def parse(args: list[str], out) -> config.Config:
+    """`args` as train.py reads them, with one thread unless they say otherwise and --out `out`."""
     return config.parse_config(["--threads", "1", *args, "--out", str(out)])
 
 
@@ -61,23 +69,16 @@ def records(out) -> list[dict]:
 
 
 def observe(out) -> dict:
-    """What a run wrote, as plain values: its records (timing and memory left out), each part alone too, the
-    samples it dumped, the files in --out and the digest of every checkpoint's weights."""
+    """What a run wrote, as plain values: its records (timing and memory left out), the held-out evaluations and
+    the reference resets among them, the samples it dumped, the files in --out and its checkpoints."""
     recs = records(out)
     with open(os.path.join(out, "samples.jsonl")) as f:
         samples = [json.loads(line) for line in f]
-    checkpoints = sorted(n for n in os.listdir(out) if n.startswith("step_"))
-    weights = {}
-    for name in checkpoints:
-        with open(os.path.join(out, name, "model.safetensors"), "rb") as f:
-            weights[name] = hashlib.sha256(f.read()).hexdigest()
-    return {"records": recs,
-            "eval0": {k: v for k, v in recs[0].items() if k.startswith("eval/")} if recs[0]["step"] == 0 else {},
+    return {"records": recs, "samples": samples,
             "evals": {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in recs
                       if "eval/accuracy" in r},
             "resets": [r["step"] for r in recs if r.get("train/ref_reset")],
-            "samples": samples, "rewards": [s["reward"] for s in samples],
-            "files": sorted(os.listdir(out)), "checkpoints": checkpoints, "weights": weights}
+            "files": sorted(os.listdir(out)), "checkpoints": sorted(n for n in os.listdir(out) if n.startswith("step_"))}
 
 
 def stale_groups(n_prompts: int = 8, group: int = 4, seed: int = 7) -> list[list]:
@@ -87,14 +88,6 @@ def stale_groups(n_prompts: int = 8, group: int = 4, seed: int = 7) -> list[list
     are the engine's for the tokens version 2 sampled); 24 tokens at most, so that long responses are truncated
     (reward 0, as --overlong zero gives). Every kind of token a step can train: three versions, positive and
     negative samples, mastered tokens, truncated samples."""
-    import copy
-    import data
-    import model as model_lib
-    import reward
-    import tiny
-    import verifiers
-    from engine import HFEngine, Sampling
-    from segment_rollout import Pools, rollout_step
     lm, tok = model_lib.load(tiny.CKPT)
     warm = copy.deepcopy(lm.state_dict())
     engine = HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=seed)

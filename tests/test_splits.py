@@ -104,10 +104,27 @@ def _ranked(rank: int, world: int, port: int, groups_path: str, out: str) -> Non
             sp = 2 if name == "sp 2" else 1
             seqpar._sp_group = group if sp == 2 else None  # the other paths' rows are not sliced
             results[name] = {split: sgd_step(flags, split, groups, world, sp) for split in SPLITS}
+        seqpar._sp_group = None
+        seen["reset"] = reset_under_fsdp(groups, world)
         if rank == 0:
             torch.save({"seen": seen, "results": results}, out)
     finally:
         dist.destroy_process_group()
+
+
+def reset_under_fsdp(groups: list, world: int) -> tuple[bool, bool, bool]:
+    """ProRL's reset under FSDP2 after an update with a KL reference (whose forward leaves its root unsharded):
+    (the policy kept its weights, the reference took them, AdamW forgot its moments)."""
+    cfg = config.parse_config([*BASE, "--parallel", "fsdp", "--kl-coef", "0.05"])
+    policy, ref, lm, ref_lm, tok, _ = placement.load_models(cfg, None, world)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    ulorl.update(policy, ref, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), groups, VERSION,
+                 tok.pad_token_id, cfg, distributed.Ranks(policy))
+    trained = [t.clone() for _, t in distributed.full_weights(lm)]
+    assert opt.state and any(not torch.equal(a, b) for a, (_, b) in zip(trained, distributed.full_weights(ref_lm)))
+    ulorl.reset_reference(lm, ref_lm, opt, ref)
+    return (all(torch.equal(a, b) for a, (_, b) in zip(trained, distributed.full_weights(lm))),
+            all(torch.equal(a, b) for a, (_, b) in zip(trained, distributed.full_weights(ref_lm))), not opt.state)
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +202,6 @@ def test_the_ranked_flags_reach_their_functions(launch):
     assert seen["parallel fsdp"] != seen["parallel ddp"] == "DistributedDataParallel"
     assert seen["offload true"] != seen["offload false"] and "CPUOffloadPolicy" in seen["offload true"]
 
+
+def test_a_reset_under_fsdp_copies_the_policy_into_the_reference(launch):
+    assert launch["seen"]["reset"] == (True, True, True)
