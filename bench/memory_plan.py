@@ -204,7 +204,7 @@ def full_groups(cfg, vocab: int) -> list[list]:
                     [0] * n, [0], "eos", float(i % 2)) for i in range(cfg.group_size)] for g in range(cfg.train_groups)]
 
 
-def measure_update(model: str, flags: list[str]) -> dict:
+def measure_update(model: str, flags: list[str]) -> list[dict]:
     """`torchrun --nproc-per-node 2 -m bench plan update --model M FLAGS`, one rank: the models loaded as train.py
     loads them, then two updates (ulorl.update) of a batch at full length, and what this rank holds, item by item
     (ITEMS). Counted: the bytes of the weights (and reference) and AdamW's moments this rank holds. Measured in the
@@ -213,10 +213,11 @@ def measure_update(model: str, flags: list[str]) -> dict:
     training forward (the gradients between micro-batches), what autograd saves in each training forward (its
     saved-tensor hooks: every storage but the parameters'), and each micro-batch's high-water mark above its start
     less that (the last's, which ends in the optimizer step, is not read); the resident growth no counted tensor
-    explains after the first update; and the high-water mark of it all. Returns the rank's planned and measured
-    items, in MiB."""
+    explains after the first update; and the high-water mark of it all. Rank 0 returns every rank's planned and
+    measured items, in MiB (the other ranks, none)."""
     import functools
     import torch
+    import torch.distributed as dist
     import config
     import distributed
     import model as model_lib
@@ -276,9 +277,12 @@ def measure_update(model: str, flags: list[str]) -> dict:
                 "the process's own growth": after_first - before - weights - moments,
                 "peak (everything)": max(top + [plan_lib.host_peak()]) - before}
     planned = planned_items(plan, kept_plan, plan_lib.Shape.of(model_config), cfg)
-    return {"rank": rank, "ranks": world, "micro_batches": len(starts), "sp": cfg.sp,
+    row = {"rank": rank, "ranks": world, "micro_batches": len(starts), "sp": cfg.sp,
             "offload": cfg.offload_optimizer, "planned_mib": {k: round(v / 2**20, 1) for k, v in planned.items()},
             "measured_mib": {k: round(v / 2**20, 1) for k, v in measured.items()}}
+    rows = [None] * world if rank == 0 else None  # rank 0 prints them all: two ranks' lines never interleave
+    dist.gather_object(row, rows)
+    return rows or []
 
 
 def check_update(work: str, only: str = "", shape: dict = UPDATE_SHAPE, flags: list[str] = UPDATE_FLAGS,
@@ -348,11 +352,12 @@ def measure_load(model: str, whole: bool) -> list[dict]:
 
 
 def bench_plan(args, rest: list[str]) -> None:
-    """Its own lines: check's one a run as each ends, load's one a rank from rank 0, update's one a rank."""
+    """Its own lines: check's one a run as each ends, load's and update's one a rank, all from rank 0."""
     if rest and args.command != "update":
         raise SystemExit(f"python -m bench plan {args.command}: unknown arguments {' '.join(rest)}")
     if args.command == "update":
-        print(json.dumps(measure_update(args.model, rest)), flush=True)
+        for row in measure_update(args.model, rest):
+            print(json.dumps(row), flush=True)
     elif args.command == "load":
         for row in measure_load(args.model, args.whole):
             print(json.dumps(row), flush=True)
