@@ -29,39 +29,78 @@ SUFFIXES = (".jsonl", ".json", ".parquet")
 MISSING = object()  # a dotted key that isn't there (a stored None is a value, and an error of its own)
 
 
+# What a row of a data file may hold. A line is read at most MAX_LINE_BYTES at a time, so a longer one is refused
+# without being read whole; a JSON number of more than MAX_NUMBER_CHARS characters (Python refuses to convert an
+# integer of over 4,300 digits, and a float that long is inf) is refused before it is converted.
+MAX_LINE_BYTES = 64 << 20
+MAX_NUMBER_CHARS = 400
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:  # json.loads would keep the last silently: which one the writer meant is unknown
+            raise ValueError(f"holds the key {key[:60]!r} twice in one object")
+        seen.add(key)
+    return dict(pairs)
+
+
+def _number(text: str, kind):
+    if len(text) > MAX_NUMBER_CHARS:
+        raise ValueError(f"holds a number of {len(text):,} characters ({text[:20]}...; at most {MAX_NUMBER_CHARS}: store "
+                         f"a longer one as a string)")
+    return kind(text)
+
+
+def parse_json(text: str):
+    """json.loads, refusing what it would take silently or choke on: a key twice in one object, a number of
+    over MAX_NUMBER_CHARS characters, a raw NUL byte, nesting deeper than Python can read. ValueError
+    says which, as a phrase that follows "the line"."""
+    if "\x00" in text:
+        raise ValueError(f"holds a NUL byte at character {text.index(chr(0))}")
+    try:
+        obj = json.loads(text, object_pairs_hook=_unique_keys, parse_int=lambda t: _number(t, int),
+                         parse_float=lambda t: _number(t, float))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"is not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise ValueError("is JSON nested too deeply to read") from None
+    return obj
+
+
 def read_jsonl(path: str) -> list[tuple[str, dict]]:
-    """(where, object) per non-blank line. Bytes are decoded line by line so a bad byte names its line."""
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
+    """(where, object) per non-blank line, read a line at a time (at most MAX_LINE_BYTES each). Bytes are decoded
+    line by line so a bad byte names its line."""
     out = []
-    for n, raw in enumerate(lines, start=1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}:{n}: line {n} is not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 4]!r});"
-                             f" re-encode the file as UTF-8") from None
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: line {n} is not valid JSON ({e.msg} at column {e.colno});"
-                             f" each line must hold one JSON object") from None
-        except RecursionError:
-            raise ValueError(f"{path}:{n}: line {n} is JSON nested too deeply to read") from None
-        out.append((f"{path}:{n}", obj))
+    with open(path, "rb") as f:
+        for n, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise ValueError(f"{path}:{n}: line {n} is longer than {MAX_LINE_BYTES >> 20} MiB, the most a row "
+                                 f"may hold; shorten it or drop it at the source")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: line {n} is not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 4]!r});"
+                                 f" re-encode the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                obj = parse_json(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: line {n} {e}; each line must hold one JSON object") from None
+            out.append((f"{path}:{n}", obj))
     return out
 
 
 def read_json(path: str) -> list[tuple[str, dict]]:
     with open(path, "rb") as f:
         try:
-            data = json.loads(f.read().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: not a valid UTF-8 JSON file ({e}); a .json source must hold one list"
-                             f" of row objects (use .jsonl for one object per line)") from None
-        except RecursionError:
-            raise ValueError(f"{path}: JSON nested too deeply to read") from None
+            data = parse_json(f.read().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not valid UTF-8 ({e}); re-encode the file as UTF-8") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}; a .json source must hold one list of row objects (use .jsonl "
+                             f"for one object per line)") from None
     if not isinstance(data, list):
         raise ValueError(f"{path}: holds a JSON {type(data).__name__}, expected a list of row objects")
     return [(f"{path}:{i}", obj) for i, obj in enumerate(data)]
@@ -171,7 +210,11 @@ def make_row(obj, where: str, prompt_key: str, answer_key: str, verifier_key: st
 
 
 def _check_text(text: str, where: str, field: str) -> None:
-    """A text no tokenizer can encode: a lone surrogate (JSON's "\\ud800" without its pair)."""
+    """A text no tokenizer can encode: a lone surrogate (JSON's "\\ud800" without its pair), or one that tokenizers,
+    verifiers and C libraries read differently: a NUL character (JSON's "\\u0000")."""
+    if "\x00" in text:
+        raise ValueError(f"{where}: field '{field}' holds a NUL character (at character {text.index(chr(0))}), which "
+                         f"tokenizers, verifiers and C libraries read differently; fix the row at its source")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:

@@ -148,6 +148,56 @@ def test_invalid_json_and_utf8_lines_name_their_line(tmp_path):
         data.load_rows(str(path))
 
 
+LINE = json.dumps(ROWS[0])
+
+
+@pytest.mark.parametrize("line, refused", [
+    ('{"prompt": "1+1=", "answer": "2", "answer": "3"}', "holds the key 'answer' twice in one object"),
+    ('{"prompt": "1+1=", "answer": "2", "n": ' + "9" * 5000 + "}", "holds a number of 5,000 characters"),
+    ('{"prompt": "1+1=", "answer": "2", "x": 1.' + "5" * 500 + "}", "holds a number of 502 characters"),
+    ('{"prompt": "1+1=\x00", "answer": "2"}', "holds a NUL byte at character 16"),
+    ('{"prompt": "1+1=", "answer": "2\\u0000"}', "field 'answer' holds a NUL character (at character 1)"),
+    ('{"prompt": [{"role": "user", "content": "\\u00001+1="}], "answer": "2"}',
+     "field 'prompt[0].content' holds a NUL character"),
+    ('{"prompt": "1+1=", "answer": ' + "[" * 50_000 + "]" * 50_000 + "}", "is JSON nested too deeply to read"),
+], ids=["key twice", "5000 digits", "long float", "NUL byte", "NUL answer", "NUL message", "deep"])
+def test_rows_json_would_take_silently_or_choke_on_are_refused_by_line(tmp_path, line, refused):
+    """A key twice (json.loads keeps the last), a number Python will not convert or turns into inf, a NUL byte or
+    character, nesting past Python's limit: each is refused naming file and line, in .jsonl and .json alike; a
+    number of MAX_NUMBER_CHARS characters still loads."""
+    path = tmp_path / "r.jsonl"
+    path.write_text(LINE + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: ") + ".*" + re.escape(refused)):
+        data.load_rows(str(path))
+    whole = tmp_path / "r.json"
+    whole.write_text("[" + LINE + ", " + line + "]")
+    refused = refused.split(" at character")[0] if "NUL byte" in refused else refused  # another offset there
+    with pytest.raises(ValueError, match=re.escape(f"{whole}") + ".*" + re.escape(refused)):
+        data.load_rows(str(whole))
+    path.write_text(LINE + "\n" + LINE[:-1] + ', "n": ' + "9" * data.MAX_NUMBER_CHARS + "}\n")
+    assert len(data.load_rows(str(path))) == 2
+
+
+def test_a_line_over_the_limit_is_refused_without_being_read_whole(tmp_path, monkeypatch):
+    """A 1 MiB limit and a 40 MiB line: refused naming its line, with at most ~one limit's worth held at once
+    (reading the file whole, as a loader might, holds all 40)."""
+    import tracemalloc
+    monkeypatch.setattr(data, "MAX_LINE_BYTES", 1 << 20)
+    path = tmp_path / "long.jsonl"
+    with open(path, "w") as f:
+        f.write(LINE + "\n" + '{"prompt": "' + "1+" * (20 << 20) + '1=", "answer": "2"}\n' + LINE + "\n")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=re.escape(f"{path}:2: line 2 is longer than 1 MiB")):
+            data.load_rows(str(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 << 20, peak
+    path.write_text(LINE + "\n" + LINE[:-1] + ', "pad": "' + "x" * ((1 << 20) - len(LINE) - 20) + '"}\n')
+    assert os.path.getsize(path) - len(LINE) - 1 <= 1 << 20 and len(data.load_rows(str(path))) == 2
+
+
 def test_empty_sources_and_missing_files(tmp_path):
     (tmp_path / "e.jsonl").write_text("\n  \n")
     (tmp_path / "e.json").write_text("[]")
