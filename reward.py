@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import workers as pool  # score_batch's `workers` is a count
-from verifiers import MAX_ANSWER_CHARS, VERIFIERS, extract_answer, final_text
+from verifiers import MAX_ANSWER_CHARS, VERIFIERS, extract_answer, final_answer, final_text
 from verifiers import math_equal  # noqa: F401 (reward.extract_answer and reward.math_equal are public names)
 
 def score_samples(samples: list, texts: list[str], max_len: int, overlong: str = "zero", overlong_buffer: int = 0,
@@ -139,7 +139,8 @@ def judge_rewards(j: Judge, rows: list[dict], responses: list[str], rewards: lis
         raise ValueError(f"unknown verifier mode {j.mode!r}; use 'off', 'alone' or 'second_opinion'")
     ask = [i for i, row in enumerate(rows) if row["verifier"] in JUDGE_DOMAINS and
            (j.mode == "alone" or rewards[i] == 0.0)]
-    verdicts = judge(j, [(rows[i]["prompt"], extract_answer(final_text(responses[i])), rows[i]["answer"])
+    # the prediction is what the row's own rule reads (a math_boxed response without \boxed{} has none: a no, unasked)
+    verdicts = judge(j, [(rows[i]["prompt"], final_answer(rows[i]["verifier"], responses[i]), rows[i]["answer"])
                          for i in ask])
     out = list(rewards)
     for i, yes in zip(ask, verdicts):

@@ -626,14 +626,18 @@ def test_judge_rewards_alone_and_second_opinion(judges):
     import dataclasses
     rows = [{"prompt": "3+4=", "answer": "7", "verifier": "math"}] * 3 + [{"prompt": "3+4=", "answer": "7",
                                                                             "verifier": "tiny"}]
-    responses = [r"\boxed{7}", r"\boxed{8}", "no answer here", "4=8:8"]
-    rule = [1.0, 0.0, 0.0, 0.0]
+    rows += [{"prompt": "3+4=", "answer": "7", "verifier": "math_boxed"}] * 2
+    responses = [r"\boxed{7}", r"\boxed{8}", "no answer here", "4=8:8", "so 7", r"so \boxed{7.0}"]
+    rule = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     yes, no = judges["yes"][0], judges["no"][0]
-    # second opinion: only the rule-based zeros of math rows are asked; "no answer" is a no without asking
-    assert reward.judge_rewards(yes, rows, responses, rule) == ([1.0, 1.0, 0.0, 0.0], 2)
-    assert reward.judge_rewards(dataclasses.replace(yes, mode="alone"), rows, responses, rule) == ([1.0, 1.0, 0.0, 0.0], 3)
-    assert reward.judge_rewards(no, rows, responses, rule) == ([1.0, 0.0, 0.0, 0.0], 2)
-    assert reward.judge_rewards(dataclasses.replace(no, mode="alone"), rows, responses, rule) == ([0.0, 0.0, 0.0, 0.0], 3)
+    # second opinion: only the rule-based zeros of math rows are asked; "no answer" is a no without asking, and so
+    # is a math_boxed response without a box, whose rule reads no number (the judge sees what the row's rule reads)
+    assert reward.judge_rewards(yes, rows, responses, rule) == ([1.0, 1.0, 0.0, 0.0, 0.0, 1.0], 4)
+    assert reward.judge_rewards(dataclasses.replace(yes, mode="alone"), rows, responses, rule) == \
+        ([1.0, 1.0, 0.0, 0.0, 0.0, 1.0], 5)
+    assert reward.judge_rewards(no, rows, responses, rule) == ([1.0, 0.0, 0.0, 0.0, 0.0, 0.0], 4)
+    assert reward.judge_rewards(dataclasses.replace(no, mode="alone"), rows, responses, rule) == \
+        ([0.0, 0.0, 0.0, 0.0, 0.0, 0.0], 5)
     with pytest.raises(ValueError, match="verifier mode"):
         reward.judge_rewards(dataclasses.replace(no, mode="sometimes"), rows, responses, rule)
 
