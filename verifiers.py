@@ -115,17 +115,28 @@ def math_equal(prediction: str, reference: str, timeout: float = 5.0) -> bool:
 def math_reward(response: str, answer: str, timeout: float = 5.0) -> float:
     """1 if the response's answer equals the reference, as math-verify reads it (_RESPONSE_EXTRACTION) from
     the response's final text (after </think>, its last MAX_PARSE_CHARS characters); else 0. Cheap guards
-    first: an empty text, or a last \\boxed{} over MAX_ANSWER_CHARS, is 0 unparsed. Never raises; outside the
+    first: an empty text, or a last \\boxed{} over MAX_ANSWER_CHARS, closed or not, is 0 unparsed. Never raises; outside the
     reward workers it runs in one of them, so it gives up (0) after `timeout` seconds."""
     text = final_text(response)
     boxed = extract_answer(text, fallback="none")
-    if not text.strip() or (boxed is not None and len(boxed) > MAX_ANSWER_CHARS):
+    if not text.strip() or (boxed is not None and len(boxed) > MAX_ANSWER_CHARS) or \
+            (boxed is None and _unclosed_box(text) > MAX_ANSWER_CHARS):
         return 0.0
     text = text[-MAX_PARSE_CHARS:]
     if workers.IN_WORKER:
         return _math_response_check(text, answer)
     scores, _, _ = workers.run([(workers.ref(_math_response_check), text, answer)], timeout, workers=1)
     return scores[0]
+
+
+def _unclosed_box(text: str) -> int:
+    """How long the last box's argument would be if its `{` is never closed: the characters after it (0 when the
+    last box is closed or there is none)."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return 0
+    j = _SPACE.match(text, _BOX.match(text, start).end()).end()
+    return len(text) - j - 1 if text.startswith("{", j) and _box_argument(text, _BOX.match(text, start).end()) is None else 0
 
 
 def math_boxed_reward(response: str, answer: str) -> float:

@@ -806,3 +806,18 @@ def test_a_final_answer_of_the_longest_length_is_compared_one_longer_is_not():
     """math_equal compares a prediction of MAX_ANSWER_CHARS characters and refuses one of a character more."""
     n = verifiers.MAX_ANSWER_CHARS
     assert math_equal("7" + " " * (n - 1), "7") and not math_equal("7" + " " * n, "7")
+
+
+def test_a_huge_boxed_answer_is_refused_unparsed_closed_or_not(monkeypatch):
+    """math_reward's cheap guard: a last box whose argument runs over MAX_ANSWER_CHARS scores 0 before any parser
+    sees it, whether its `{` is closed or not (an unclosed one would otherwise send the whole tail to math-verify,
+    up to its timeout); an unclosed box of MAX_ANSWER_CHARS characters still goes to the parser."""
+    parsed = []
+    monkeypatch.setattr(verifiers.workers, "run", lambda jobs, timeout, workers: (parsed.append(jobs[0][1]) or [0.0],
+                                                                                  None, None))
+    n = verifiers.MAX_ANSWER_CHARS
+    for text in ["so \\boxed{" + "1+" * n + "1}", "so \\boxed{" + "1+" * n, "so \\fbox {" + "x" * (n + 1)]:
+        assert verifiers.math_reward(text, "7") == 0.0 and not parsed, text[:20]
+    verifiers.math_reward("so \\boxed{" + "x" * n, "7")
+    verifiers.math_reward("so \\boxed{7} and {" + "x" * 2 * n, "7")  # the last box is closed: what follows is text
+    assert len(parsed) == 2
