@@ -395,9 +395,39 @@ CONSTRAINTS = {
 }
 
 
+# The parameters each kind of constraint takes, and what makes a value one that every response meets or none can:
+# a count is a whole number (a maximum at least 1, a minimum or a bullet count at least 0 but a minimum of 0 is met
+# by any text), a phrase is non-blank text, a word list holds non-blank words.
+_COUNTS = {"max_words": 1, "min_words": 1, "max_sentences": 1, "min_sentences": 1, "bullet_points": 0}
+_TEXTS = {"ends_with": "phrase", "starts_with": "phrase"}
+_WORD_LISTS = {"include_keywords": "words", "forbid_keywords": "words"}
+
+
+def check_constraint(c) -> None:
+    """ValueError unless `c` is a constraint of a known type whose parameters a response can meet and fail: no
+    infinite, NaN, fractional or non-positive count, empty phrase or empty word list."""
+    if not isinstance(c, dict) or c.get("type") not in CONSTRAINTS:
+        raise ValueError(f"ifeval constraint {c!r}: 'type' must be one of {sorted(CONSTRAINTS)}")
+    kind = c["type"]
+    if kind in _COUNTS:
+        n = c.get("n")
+        if isinstance(n, bool) or not isinstance(n, int) or n < _COUNTS[kind]:
+            raise ValueError(f"ifeval constraint {c!r}: missing or bad parameter 'n': a whole number of at least {_COUNTS[kind]} "
+                             f"(got {n!r}: every response would meet it, or none)")
+    if kind in _TEXTS and (not isinstance(c.get(_TEXTS[kind]), str) or not c[_TEXTS[kind]].strip()):
+        raise ValueError(f"ifeval constraint {c!r}: missing or bad parameter '{_TEXTS[kind]}': non-blank text (every response would "
+                         f"meet an empty one)")
+    if kind in _WORD_LISTS:
+        words = c.get(_WORD_LISTS[kind])
+        if not isinstance(words, list) or not words or not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError(f"ifeval constraint {c!r}: missing or bad parameter '{_WORD_LISTS[kind]}': a non-empty list of non-blank "
+                             f"words (every response would meet an empty one)")
+
+
 def ifeval_reward(response: str, answer: str) -> float:
     """Instruction following (ProRL): the fraction of the constraints in `answer` (a JSON list of
-    {"type": ..., parameters}) that the response (after any </think>) meets."""
+    {"type": ..., parameters}) that the response (after any </think>) meets. An empty or blank response earns 0:
+    silence meets every maximum, forbidden word and "no commas", and is no answer."""
     try:
         constraints = json.loads(answer)
     except json.JSONDecodeError as e:
@@ -406,11 +436,13 @@ def ifeval_reward(response: str, answer: str) -> float:
         raise ValueError("ifeval answer is JSON nested too deeply to read") from None
     if not isinstance(constraints, list) or not constraints:
         raise ValueError(f"ifeval answer must be a non-empty JSON list of constraints, got {answer[:200]!r}")
+    for c in constraints:
+        check_constraint(c)
     text = final_text(response)
+    if not text.strip():
+        return 0.0
     met = 0
     for c in constraints:
-        if not isinstance(c, dict) or c.get("type") not in CONSTRAINTS:
-            raise ValueError(f"ifeval constraint {c!r}: 'type' must be one of {sorted(CONSTRAINTS)}")
         try:
             met += bool(CONSTRAINTS[c["type"]](text, c))
         except (KeyError, TypeError) as e:

@@ -7,6 +7,7 @@ error and timeout accounting. Values are computed by hand. (Code rewards: tests/
 """
 
 import json
+import re
 import os
 import sys
 import time
@@ -821,3 +822,31 @@ def test_a_huge_boxed_answer_is_refused_unparsed_closed_or_not(monkeypatch):
     verifiers.math_reward("so \\boxed{" + "x" * n, "7")
     verifiers.math_reward("so \\boxed{7} and {" + "x" * 2 * n, "7")  # the last box is closed: what follows is text
     assert len(parsed) == 2
+
+
+@pytest.mark.parametrize("constraint", [c("max_words", n=float("inf")), c("max_words", n=float("nan")),
+                                        c("min_words", n=0), c("max_sentences", n=2.5), c("bullet_points", n=-1),
+                                        c("max_words", n=True), c("ends_with", phrase=""), c("starts_with", phrase="  "),
+                                        c("include_keywords", words=[]), c("forbid_keywords", words=["ok", ""])])
+def test_an_ifeval_constraint_every_response_meets_or_none_can_is_refused(constraint, tmp_path):
+    """Counts that are infinite, NaN, fractional or out of range, an empty phrase or word list: refused when the
+    row is loaded, naming it; the smallest count that can be met and failed still loads."""
+    import data
+    path = tmp_path / "if.jsonl"
+    path.write_text(json.dumps({"prompt": "p", "answer": [constraint], "verifier": "ifeval"}, allow_nan=True) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}:1: field 'answer'") + ".*missing or bad parameter"):
+        data.load_rows(str(path))
+    smallest = {"max_words": 1, "min_words": 1, "max_sentences": 1, "bullet_points": 0}
+    if constraint["type"] in smallest:
+        path.write_text(json.dumps({"prompt": "p", "answer": [c(constraint["type"], n=smallest[constraint["type"]])],
+                                    "verifier": "ifeval"}) + "\n")
+        assert len(data.load_rows(str(path))) == 1
+
+
+def test_silence_earns_nothing_on_instruction_following():
+    """An empty or blank response (or one with only reasoning) meets every maximum, forbidden word and "no commas",
+    and earns 0; one word already earns what it meets."""
+    answer = json.dumps([c("max_words", n=5), c("forbid_keywords", words=["no"]), c("lowercase"), c("no_commas")])
+    for silent in ("", "  \n", "<think>thinking, a lot</think>  "):
+        assert verifiers.ifeval_reward(silent, answer) == 0.0
+    assert verifiers.ifeval_reward("yes", answer) == 1.0 and verifiers.ifeval_reward("Yes", answer) == 0.75
