@@ -424,10 +424,16 @@ def check_constraint(c) -> None:
                              f"words (every response would meet an empty one)")
 
 
+def silent(c: dict) -> bool:
+    """Whether saying nothing meets constraint `c` (a maximum, forbidden words, lowercase, no commas, no bullets)."""
+    return CONSTRAINTS[c["type"]]("", c)
+
+
 def ifeval_reward(response: str, answer: str) -> float:
     """Instruction following (ProRL): the fraction of the constraints in `answer` (a JSON list of
-    {"type": ..., parameters}) that the response (after any </think>) meets. An empty or blank response earns 0:
-    silence meets every maximum, forbidden word and "no commas", and is no answer."""
+    {"type": ..., parameters}) that the response (after any </think>) meets, or 0 when it meets none that
+    silence fails: what an empty answer meets (every maximum, forbidden word, "no commas") rewards nothing
+    alone, so a row must hold a constraint that asks for something."""
     try:
         constraints = json.loads(answer)
     except json.JSONDecodeError as e:
@@ -438,16 +444,14 @@ def ifeval_reward(response: str, answer: str) -> float:
         raise ValueError(f"ifeval answer must be a non-empty JSON list of constraints, got {answer[:200]!r}")
     for c in constraints:
         check_constraint(c)
+    if all(silent(c) for c in constraints):
+        raise ValueError(f"ifeval answer {answer[:200]}: an empty response meets every one of these constraints; "
+                         f"add one that asks for something (min_words, include_keywords, starts_with, ...)")
     text = final_text(response)
-    if not text.strip():
+    met = [bool(CONSTRAINTS[c["type"]](text, c)) for c in constraints]
+    if not any(m and not silent(c) for m, c in zip(met, constraints)):
         return 0.0
-    met = 0
-    for c in constraints:
-        try:
-            met += bool(CONSTRAINTS[c["type"]](text, c))
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"ifeval constraint {c!r}: missing or bad parameter ({type(e).__name__}: {e})") from None
-    return met / len(constraints)
+    return sum(met) / len(constraints)
 
 
 def _rg_answer(response: str) -> str | None:

@@ -16,6 +16,8 @@ import tempfile
 import plan as plan_lib
 from bench.common import ROOT
 
+BRIEF = [{"type": "min_words", "n": 1}, {"type": "max_words", "n": 4}]  # an ifeval answer: 1 to 4 words
+
 
 def check_models(work: str, tok) -> dict:
     """{name: model directory} of the runs: the tiny dense checkpoint, and random models saved in `work` once."""
@@ -44,12 +46,12 @@ def check_cases(work: str) -> list[tuple[str, int, list[str]]]:
     with open(data, "w") as f:
         for _ in range(200):
             prompt = "+".join(str(rng.randint(1, 9)) for _ in range(rng.randint(2, 5))) + "="
-            f.write(json.dumps({"prompt": prompt, "answer": [{"type": "max_words", "n": 4}], "verifier": "ifeval"}) + "\n")
+            f.write(json.dumps({"prompt": prompt, "answer": BRIEF, "verifier": "ifeval"}) + "\n")
     long_data = os.path.join(work, "long.jsonl")  # ~950-token prompts: full 4096-token micro-batches whatever the
     with open(long_data, "w") as f:  # random model's responses (it stops after ~17 tokens)
         for _ in range(200):
             prompt = "+".join(str(rng.randint(1, 9)) for _ in range(rng.randint(450, 475))) + "="
-            f.write(json.dumps({"prompt": prompt, "answer": [{"type": "max_words", "n": 4}], "verifier": "ifeval"}) + "\n")
+            f.write(json.dumps({"prompt": prompt, "answer": BRIEF, "verifier": "ifeval"}) + "\n")
     # smaller steps for the larger model, with micro-batches still full on each of 2 ranks (~700 tokens each)
     small = ["--prompts-per-step", "8", "--group-size", "4", "--train-groups", "8", "--max-response-len", "32",
              "--segments", "2", "--max-tokens-per-micro-batch", "512"]

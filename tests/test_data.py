@@ -403,7 +403,8 @@ def test_clean_cli_with_the_tiny_model(tmp_path, capsys):
 def test_code_and_ifeval_answers_are_checked_when_loaded(tmp_path):
     tests = {"inputs": ["1"], "outputs": ["2"]}
     good = [{"prompt": "add one", "answer": tests, "verifier": "code"},  # a nested column: stored as JSON
-            {"prompt": "be brief", "answer": json.dumps([{"type": "max_words", "n": 5}]), "verifier": "ifeval"}]
+            {"prompt": "be brief", "answer": json.dumps([{"type": "max_words", "n": 5}, {"type": "min_words", "n": 1}]),
+             "verifier": "ifeval"}]
     rows = data.load_rows(write_jsonl(tmp_path / "ok.jsonl", good))
     assert json.loads(rows[0]["answer"]) == tests and rows[1]["answer"] == good[1]["answer"]
     for i, (obj, match) in enumerate([

@@ -20,6 +20,8 @@ import tiny
 import engine_gap
 from config import parse_config
 
+BRIEF = [{"type": "min_words", "n": 1}, {"type": "max_words", "n": 4}]  # an ifeval answer: 1 to 4 words
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_VLLM = __import__("importlib").util.find_spec("vllm") is not None
 BF16_VLLM = ["--engine", "vllm", "--dtype", "bfloat16", "--eval-data", "", "--dump-samples", "0", "--lr-final", "1"]
@@ -156,7 +158,7 @@ def moe_files(d):
     with open(d / "data.jsonl", "w") as f:  # at most 4 words: a random model meets it about half the time
         for _ in range(100):
             prompt = "+".join(str(rng.randint(1, 9)) for _ in range(rng.randint(2, 5))) + "="
-            f.write(json.dumps({"prompt": prompt, "answer": [{"type": "max_words", "n": 4}], "verifier": "ifeval"}) + "\n")
+            f.write(json.dumps({"prompt": prompt, "answer": BRIEF, "verifier": "ifeval"}) + "\n")
     return ["--model", str(d / "model"), "--data", str(d / "data.jsonl"), "--steps", "3", "--max-response-len", "32",
             "--segments", "2", "--train-groups", "4", "--prompts-per-step", "4"]
 

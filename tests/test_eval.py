@@ -79,24 +79,24 @@ def test_summarize_on_hand_made_results():
 
 
 def test_partial_credit_counts_toward_mean_reward_not_accuracy():
-    """Fractional rewards (here instruction following: 2 constraints, one met = 0.5) are not solved: a sample
-    is correct only with full marks. Problem 0's samples score 1, 0.5, 0.5, 0; problem 1's 0.5 x4."""
+    """Fractional rewards (here instruction following: 3 constraints, two met = 2/3) are not solved: a
+    sample is correct only with full marks. Problem 0's samples score 1, 2/3, 2/3, 1/3; problem 1's 2/3 x4."""
     from segment_rollout import Sample
     tok = tiny.make_tokenizer()
-    answer = json.dumps([{"type": "max_words", "n": 2}, {"type": "no_commas"}])
+    answer = json.dumps([{"type": "max_words", "n": 2}, {"type": "no_commas"}, {"type": "starts_with", "phrase": "7"}])
     row = {"prompt": "1=", "answer": answer, "verifier": "ifeval"}
     texts = [["7", "7,7", "7+7+7", "7,7,7"], ["7,7"] * 4]  # 3 words break max_words; "," breaks no_commas
     groups = [[Sample(4 * g + i, g, [3], row, tokens=tok(t).input_ids + [tok.eos_token_id], finish="eos")
                for i, t in enumerate(ts)] for g, ts in enumerate(texts)]
     per_problem, _ = ev.score(groups, tok, max_len=64, timeout=10.0)
-    assert [p["rewards"] for p in per_problem] == [[1.0, 0.5, 0.5, 0.0], [0.5] * 4]
+    assert [p["rewards"] for p in per_problem] == [[1.0, 2 / 3, 2 / 3, 1 / 3], [2 / 3] * 4]
     r = ev.summarize(per_problem)
     assert r["avg@k"] == pytest.approx(1 / 8)  # one solved sample of 8 (reward > 0 would say 7 / 8)
-    assert r["mean_reward"] == pytest.approx(4.0 / 8)
+    assert r["mean_reward"] == pytest.approx(2 / 3)
     assert r["pass@k"]["4"] == pytest.approx(1 / 2)  # problem 1 is never solved
     assert r["pass@k"]["1"] == pytest.approx((1 / 4 + 0) / 2)
     # just below full marks: 99 of 100 constraints met is not solved
-    nearly = {**row, "answer": json.dumps([{"type": "max_words", "n": 2}] * 99 + [{"type": "no_commas"}])}
+    nearly = {**row, "answer": json.dumps([{"type": "starts_with", "phrase": "7"}] * 99 + [{"type": "no_commas"}])}
     groups = [[Sample(i, 0, [3], nearly, tokens=tok(t).input_ids + [tok.eos_token_id], finish="eos")
                for i, t in enumerate(["7,7", "7"])]]
     per_problem, _ = ev.score(groups, tok, max_len=64, timeout=10.0)

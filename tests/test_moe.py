@@ -21,6 +21,8 @@ from conftest import run, together
 import model as model_lib
 import tiny
 
+BRIEF = [{"type": "min_words", "n": 1}, {"type": "max_words", "n": 4}]  # an ifeval answer: 1 to 4 words
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow  # MoE runs with vLLM and torchrun: -m "not slow" skips them
 RUN = ["--eval-data", "", "--max-response-len", "32", "--segments", "2", "--train-groups", "4",
@@ -41,7 +43,7 @@ def moe(tmp_path_factory):
     with open(d / "data.jsonl", "w") as f:
         for _ in range(200):
             prompt = "+".join(str(rng.randint(1, 9)) for _ in range(rng.randint(2, 5))) + "="
-            f.write(json.dumps({"prompt": prompt, "answer": [{"type": "max_words", "n": 4}], "verifier": "ifeval"}) + "\n")
+            f.write(json.dumps({"prompt": prompt, "answer": BRIEF, "verifier": "ifeval"}) + "\n")
     return d / "model", d / "data.jsonl"
 
 

@@ -24,6 +24,8 @@ import placement
 import plan as plan_lib
 import tiny
 
+BRIEF = [{"type": "min_words", "n": 1}, {"type": "max_words", "n": 4}]  # an ifeval answer: 1 to 4 words
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_VLLM = __import__("importlib").util.find_spec("vllm") is not None
 
@@ -122,7 +124,7 @@ def test_plan_is_within_a_quarter_of_the_measured_peak(moe_dir, tmp_path):
     the plan's per-rank total against the host-memory high-water mark from before loading to the end of the
     step (train.py's memory/* records; on CPU host memory is the device's)."""
     data = tmp_path / "data.jsonl"  # a reward a random model sometimes earns: at most 4 words
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}=", "answer": [{"type": "max_words", "n": 4}],
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}=", "answer": BRIEF,
                                         "verifier": "ifeval"}) + "\n" for i in range(100)))
     models = (("dense", []), ("moe", ["--model", str(moe_dir), "--data", str(data)]))
     # the two runs together (one thread each; each measures its own process's peak)

@@ -510,13 +510,14 @@ def c(type_, **params):
     ("<think>Long, Long thoughts</think>all lower", c("no_commas"), True),  # only the final text counts
 ])
 def test_ifeval_constraints(response, constraint, met):
-    assert verifiers.ifeval_reward(response, json.dumps([constraint])) == float(met)
+    assert verifiers.CONSTRAINTS[constraint["type"]](verifiers.final_text(response), constraint) == met
 
 
 def test_ifeval_reward_is_the_fraction_met():
     answer = json.dumps([c("max_words", n=5), c("lowercase"), c("include_keywords", words=["ok"]), c("no_commas")])
     assert verifiers.ifeval_reward("ok, fine", answer) == 0.75
     assert verifiers.ifeval_reward("Ok fine", answer) == 0.75
+    assert verifiers.ifeval_reward("<think>ok</think>Ok fine", answer) == 0.75  # the final text is scored
     with pytest.raises(ValueError, match="'type' must be one of"):
         verifiers.ifeval_reward("x", json.dumps([c("max_words", n=1), c("rhymes")]))
     with pytest.raises(ValueError, match="non-empty JSON list"):
@@ -838,15 +839,27 @@ def test_an_ifeval_constraint_every_response_meets_or_none_can_is_refused(constr
         data.load_rows(str(path))
     smallest = {"max_words": 1, "min_words": 1, "max_sentences": 1, "bullet_points": 0}
     if constraint["type"] in smallest:
-        path.write_text(json.dumps({"prompt": "p", "answer": [c(constraint["type"], n=smallest[constraint["type"]])],
-                                    "verifier": "ifeval"}) + "\n")
+        path.write_text(json.dumps({"prompt": "p", "answer": [c(constraint["type"], n=smallest[constraint["type"]]),
+                                                              c("json_format")], "verifier": "ifeval"}) + "\n")
         assert len(data.load_rows(str(path))) == 1
 
 
-def test_silence_earns_nothing_on_instruction_following():
-    """An empty or blank response (or one with only reasoning) meets every maximum, forbidden word and "no commas",
-    and earns 0; one word already earns what it meets."""
-    answer = json.dumps([c("max_words", n=5), c("forbid_keywords", words=["no"]), c("lowercase"), c("no_commas")])
-    for silent in ("", "  \n", "<think>thinking, a lot</think>  "):
-        assert verifiers.ifeval_reward(silent, answer) == 0.0
-    assert verifiers.ifeval_reward("yes", answer) == 1.0 and verifiers.ifeval_reward("Yes", answer) == 0.75
+def test_silence_earns_nothing_on_instruction_following(tmp_path):
+    """Saying nothing meets every maximum, forbidden word, "lowercase" and "no commas": a response that meets only
+    such constraints earns 0, however many (an empty one, blank, only reasoning, or one short word); meeting one that
+    silence fails counts all it meets. A row of constraints that silence meets, all of them, is refused at load."""
+    import data
+    answer = json.dumps([c("max_words", n=5), c("forbid_keywords", words=["no"]), c("lowercase"), c("no_commas"),
+                         c("include_keywords", words=["yes"])])
+    for silent in ("", "  \n", "<think>yes, a lot</think>  ", "ok", "<think>yes</think>fine"):
+        assert verifiers.ifeval_reward(silent, answer) == 0.0, silent
+    assert verifiers.ifeval_reward("yes", answer) == 1.0 and verifiers.ifeval_reward("Yes", answer) == 0.8
+    assert verifiers.ifeval_reward("yes, No", answer) == 0.4  # the asked word: it counts what else it meets
+    path = tmp_path / "if.jsonl"
+    path.write_text(json.dumps({"prompt": "p", "answer": json.loads(answer)[:4], "verifier": "ifeval"}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}:1: field 'answer'") + ".*an empty response meets every"):
+        data.load_rows(str(path))
+    for asks in (c("min_words", n=1), c("json_format"), c("ends_with", phrase="."), c("bullet_points", n=1)):
+        assert not verifiers.silent(asks)
+        path.write_text(json.dumps({"prompt": "p", "answer": [c("max_words", n=5), asks], "verifier": "ifeval"}) + "\n")
+        assert len(data.load_rows(str(path))) == 1

@@ -27,6 +27,8 @@ from engine import HFEngine, Sampling, vllm_routing
 from naive import PROMPTS, ids, make_row
 from segment_rollout import Pools, rollout_step
 
+BRIEF = [{"type": "min_words", "n": 1}, {"type": "max_words", "n": 4}]  # an ifeval answer: 1 to 4 words
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -234,7 +236,7 @@ def test_a_run_with_replay_resumes_bit_for_bit(tmp_path):
     moe().save_pretrained(tmp_path / "moe")
     tok.save_pretrained(tmp_path / "moe")
     data = tmp_path / "data.jsonl"  # a reward a random model sometimes earns: at most 4 words
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}=", "answer": [{"type": "max_words", "n": 4}],
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}=", "answer": BRIEF,
                                         "verifier": "ifeval"}) + "\n" for i in range(100)))
     args = ["--model", str(tmp_path / "moe"), "--data", str(data), "--eval-data", "", "--dtype", "bfloat16",
             "--routing-replay", "true", "--max-response-len", "32", "--segments", "2", "--train-groups", "4",

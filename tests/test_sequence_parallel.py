@@ -22,6 +22,8 @@ from conftest import close_up_to_order, free_port, run, spawn, together
 from test_distributed import records, rel_diff, weights
 from segment_rollout import Sample
 
+BRIEF = [{"type": "min_words", "n": 1}, {"type": "max_words", "n": 4}]  # an ifeval answer: 1 to 4 words
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -189,7 +191,7 @@ def moe_run_args(tmp_path_factory):
     tiny.make_moe_model(tok, experts=8, top_k=2).save_pretrained(d / "model")
     tok.save_pretrained(d / "model")
     data = d / "data.jsonl"  # a reward a random model sometimes earns: at most 4 words
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}=", "answer": [{"type": "max_words", "n": 4}],
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}=", "answer": BRIEF,
                                         "verifier": "ifeval"}) + "\n" for i in range(100)))
     return ["--model", str(d / "model"), "--data", str(data), "--dynamic-sampling", "false", "--routing-replay", "true"]
 
