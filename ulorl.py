@@ -40,7 +40,7 @@ Simplifications of the papers, all of them:
   - The generative verifier is whatever model the user names (--verifier-model), asked with a fixed prompt;
     UloRL trains its own verifier model. It judges math rows only.
   - Reasoning Gym's continuous scores (ProRL's puzzles) count as they are only on datasets where no wrong answer
-    a policy could learn earns credit (45 of 104); on the others a score counts at full marks only, and 5 are
+    a policy could learn earns credit (34 of 104); on the others a score counts at full marks only, and 5 are
     refused (verifiers.rg_probe, docs/rewards.md).
   - Data cleaning drops what it can check mechanically (sub-question markers, long or matrix answers,
     problems solved k of k, majority disagreement); UloRL's rewriting of multiple-choice and proof questions

@@ -6,7 +6,9 @@ final answer (what maj@k votes with). They run in reward workers (workers.py): m
 """
 import ast
 import functools
+import itertools
 import json
+import math
 import operator
 import re
 import string
@@ -82,7 +84,59 @@ def _parse_reference(answer: str) -> list:
 
 def _math_check(prediction: str, reference: str) -> float:
     gold, pred = _parse(reference), _parse(prediction)
-    return float(bool(gold and pred and verify(gold, pred, timeout_seconds=None)))
+    return float(bool(gold and pred and not _costlier(pred, gold) and verify(gold, pred, timeout_seconds=None)))
+
+
+# What verify may be asked to compare. Parsing leaves big numbers unevaluated (9^{9^{9}}, (10^{100})!), and
+# comparing them, or expanding a power of a sum, runs to the check's timeout: measured, (1+x)^{1000} 4 s,
+# (x+y+z)^{200} and 9^{9^9} past 5 s, binom(10^9, 10^5) 15 s; (1+x)^{200} 0.2 s, 10^{1000000} and 100000! 0.1 s.
+MAX_EXPONENT = 10**6  # of a number
+MAX_EXPANDED_TERMS = 300  # of a power of a sum with symbols: (a+b+c)^n has binom(n+2, 2)
+MAX_ARGUMENT = 10**5  # of a factorial or binomial; a product's or sum's count of terms too
+
+
+def _log10(e) -> float:
+    """An upper bound of log10|e| for a number expression `e` left unevaluated (inf where none is cheap)."""
+    import sympy
+    if e.is_Number:
+        return math.log10(max(abs(float(e)), 1.0)) if e.is_finite else math.inf
+    parts = [_log10(a) for a in e.args if a.is_number]
+    if e.is_Pow:
+        base, exponent = parts if len(parts) == 2 else (math.inf, math.inf)
+        return math.inf if exponent > 15 else 10 ** exponent * max(base, 0.0)
+    if isinstance(e, (sympy.factorial, sympy.binomial, sympy.gamma, sympy.factorial2)):
+        n = max(parts, default=math.inf)
+        return math.inf if n > 15 else 10 ** n * max(n, 1.0)
+    if e.is_Mul:
+        return sum(parts)
+    return max(parts, default=0.0) + math.log10(max(len(parts), 1))  # a sum; a function's value, about its arguments
+
+
+def _costly(expr) -> bool:
+    """Whether comparing sympy expression `expr` could take seconds: a number raised past MAX_EXPONENT, a power of a
+    sum with symbols of more than MAX_EXPANDED_TERMS terms expanded, a factorial or binomial of more than
+    MAX_ARGUMENT, a product or sum of more terms."""
+    import sympy
+    big = lambda e, limit: e.is_number and _log10(e) > math.log10(limit)
+    for node in sympy.preorder_traversal(expr):
+        if node.is_Pow and ((node.base.is_number and big(node.exp, MAX_EXPONENT)) or
+                            (node.base.is_Add and node.base.free_symbols and node.exp.is_number and
+             _log10(node.exp) * (len(node.base.args) - 1) > math.log10(MAX_EXPANDED_TERMS))):
+            return True
+        if isinstance(node, (sympy.factorial, sympy.binomial, sympy.gamma, sympy.factorial2)) and \
+                any(big(a, MAX_ARGUMENT) for a in node.args):
+            return True
+        if isinstance(node, (sympy.Product, sympy.Sum)) and \
+                any(big(b, MAX_ARGUMENT) for _, *bounds in node.limits for b in bounds):
+            return True
+    return False
+
+
+def _costlier(pred: list, gold: list) -> bool:
+    """The parsed prediction would take verify seconds and the gold would not (a gold this big is compared)."""
+    import sympy
+    costly = lambda parsed: any(isinstance(e, sympy.Basic) and _costly(e) for e in parsed)
+    return costly(pred) and not costly(gold)
 
 
 # math-verify's own extraction of a response's answer: \boxed{} first (several boxes form one set or tuple
@@ -92,7 +146,7 @@ _RESPONSE_EXTRACTION = [LatexExtractionConfig(boxed_match_priority=0), ExprExtra
 
 def _math_response_check(text: str, reference: str) -> float:
     gold, pred = _parse_reference(reference), parse(text, _RESPONSE_EXTRACTION, parsing_timeout=None)
-    return float(bool(gold and pred and verify(gold, pred, timeout_seconds=None)))
+    return float(bool(gold and pred and not _costlier(pred, gold) and verify(gold, pred, timeout_seconds=None)))
 
 
 MAX_ANSWER_CHARS = 1000  # a longer final answer is garbage (or an attack on the parser): 0 without parsing
@@ -207,9 +261,11 @@ _ARITHMETIC = re.compile(r"[\d\s()+\-*/]+")
 RG_CHECKS = {
     # countdown reads the answer's numbers as `\b\d+\b` and its value with sympy: "1_64" was no number to the
     # first and 164 to the second, so `n1*n2*n3*n4*0_0+1_64` solved a row whose target is 164
-    "countdown": lambda answer, entry: bool(_ARITHMETIC.fullmatch(answer)),
-    # puzzle24 checks that an answer uses four numbers in range, not the puzzle's: `8+8+4+4` solved every row
-    "puzzle24": lambda answer, entry: bool(_ARITHMETIC.fullmatch(answer)) and
+    # and it compares within 1e-6: the value must be the target's exactly
+    "countdown": lambda answer, entry: _value(answer) == entry["metadata"]["target"],
+    # puzzle24 checks that an answer uses four numbers in range, not the puzzle's: `8+8+4+4` solved every row; and
+    # it reads the value through int(): 24.9 was 24
+    "puzzle24": lambda answer, entry: _value(answer) == 24 and
     sorted(map(int, re.findall(r"\d+", answer))) == sorted(entry["metadata"]["numbers"]),
     # complex_arithmetic scores min(1, exp(-distance)), which is 1 for a nan distance
     "complex_arithmetic": lambda answer, entry: "nan" not in answer.lower(),
@@ -251,8 +307,8 @@ def rg_gold(answer: str, _: str = "") -> float:
 
 
 # Canaries: wrong answers a policy could learn without solving anything. Before a run uses a Reasoning Gym
-# dataset, rg_probe scores them on RG_PROBE_ROWS rows of it. Of the 104 datasets it can generate, a canary scored
-# 1.0 on 6 before RG_CHECKS and above 0 on 59 (docs/rewards.md).
+# dataset, rg_probe scores them on RG_PROBE_ROWS rows of it. Of the 104 datasets it can generate, a fixed canary
+# scored 1.0 on 6 before RG_CHECKS and above 0 on 59; with those built from the prompt, 70 (docs/rewards.md).
 RG_PROBE_ROWS = 8
 RG_CANARIES = ("", "0", "1", "-1", "0.5", "1_0", "nan", "inf", "-inf", "None", "True", "False", "yes", "no", "A",
                "[]", "{}")
@@ -291,31 +347,120 @@ def _same_answer(a: str, b) -> bool:
     return _value(a) is not None and _value(a) == _value(b)
 
 
-def rg_canaries(question: str, gold, metadata: dict, answers: list) -> list[tuple[str, bool]]:
-    """Wrong answers to one row, each with whether it is another row's answer: RG_CANARIES; two other rows'
-    answers, and all of theirs in one line; the puzzle's numbers (metadata["numbers"], else the question's first
-    six) added, multiplied, and multiplied by 0_0 plus one of the numbers the row names, written with an
-    underscore (`94*4*61*6*0_0+3_15`). None of them the row's own answer (`gold`)."""
+def rg_canaries(question: str, gold, metadata: dict, answers: list) -> list[tuple[str, str | None]]:
+    """Wrong answers to one row, each with its kind where it may be right by chance (None where it may not; see
+    canary_verdict): RG_CANARIES; two other rows' answers, and all of theirs in one line; what the prompt gives away (prompt_canaries; the rows' answers as the
+    task's labels when they are few and short); the puzzle's numbers (metadata["numbers"], else the question's
+    first six) added, multiplied, multiplied by 0_0 plus one of the numbers the row names, written with an
+    underscore (`94*4*61*6*0_0+3_15`), and arranged to a value next to the row's (`near_expressions`). None of them
+    the row's own answer (`gold`)."""
     others = [a for a in dict.fromkeys(a for a in answers if isinstance(a, str)) if not _same_answer(a, gold)]
     in_question = [int(n) for n in re.findall(r"\d+", question)][:6]
     numbers = metadata.get("numbers")
     if not (isinstance(numbers, list) and numbers and all(type(n) is int and n >= 0 for n in numbers)):
         numbers = in_question
     named = [v for v in metadata.values() if type(v) is int and v >= 10] + in_question
+    labels = list(dict.fromkeys(a for a in answers if isinstance(a, str)))
     out = [*RG_CANARIES, " ".join(others)]
+    chance = prompt_canaries(question, labels if len(labels) <= 6 and all(len(a) <= 20 for a in labels) else [])
     if numbers:
         out += ["+".join(map(str, numbers)), "*".join(map(str, numbers))]
         out += ["*".join(map(str, numbers)) + f"*0_0+{str(n)[0]}_{str(n)[1:]}" for n in dict.fromkeys(named)
                 if n >= 10]
-    return [(c, False) for c in dict.fromkeys(out) if not _same_answer(c, gold)] + [(a, True) for a in others[:2]]
+        if isinstance(gold, str) and (target := _value(gold)) is not None:
+            out += near_expressions(numbers, target)
+    out += near_values(gold, question)
+    borrowed = {a: f"another row's answer {a[:60]!r}" for a in others[:2]}
+    return [(c, kind) for c, kind in {**chance, **borrowed, **dict.fromkeys(out)}.items() if not _same_answer(c, gold)]
+
+
+_NAME = re.compile(r"\b[A-Z][a-z]+\b")
+_QUOTED = re.compile(r"\"([^\"\n]{1,200})\"|'([^'\n]{1,200})'")
+_ALTERNATIVES = re.compile(r"\b(\w+)/(\w+)\b")
+_CIPHER = re.compile(r"\b[A-Z]+(?:[ ,'!?-]+[A-Z]+){2,}\b")  # words of capitals, as cipher tasks show their text
+PROMPT_ITEMS = 8  # the names, numbers and quoted options of a prompt tried alone: its first few; all of them together
+
+
+def prompt_canaries(question: str, labels: list[str] = ()) -> dict[str, str | None]:
+    """What a policy can write from the prompt alone, without solving, each with its kind where it may be right
+    by chance (else None): the prompt echoed (whole, its last line, its questions); its names, numbers and quoted
+    options, each alone (the first PROMPT_ITEMS: one of them may be the answer) and all together; the task's
+    labels (`labels`, "hero/villain" alternatives, True/False, Yes/No) joined in both orders ("TrueFalse",
+    "Yes No"); every shift of a run of capitals (a Caesar cipher's text) in one answer. Includes the row's answer
+    where the prompt holds it: callers drop it (_same_answer)."""
+    lines = [line.strip() for line in question.strip().splitlines() if line.strip()]
+    out = [question.strip(), lines[-1] if lines else "", *re.findall(r"[^.!?\n]*\?", question)]
+    alone = {}
+    for kind, items in (("a name", _NAME.findall(question)), ("a number", re.findall(r"-?\d+(?:\.\d+)?", question)),
+                        ("a quoted option", [a or b for a, b in _QUOTED.findall(question)])):
+        items = list(dict.fromkeys(items))
+        alone.update(dict.fromkeys(items[:PROMPT_ITEMS], f"{kind} of the prompt"))
+        together = [" ".join(items), ", ".join(items)] if len(items) > 1 else []
+        if kind == "a quoted option":  # statements quoted in a puzzle: all of them may hold the answer's claims
+            alone.update(dict.fromkeys(together, "the quoted options of the prompt"))
+        else:
+            out += together
+    for pair in [*_ALTERNATIVES.findall(question), ("True", "False"), ("Yes", "No"), tuple(labels)]:
+        for order in (pair, pair[::-1]) if len(pair) > 1 else ():
+            out += [sep.join(order) for sep in ("", " ", ", ", "/", "\n")]
+    for text in _CIPHER.findall(question):
+        out += ["\n".join("".join(chr((ord(ch) - 65 + k) % 26 + 65) if "A" <= ch <= "Z" else ch for ch in text)
+                          for k in range(26))]
+    return {**{c: None for c in out if c.strip() and c not in alone}, **alone}
+
+
+def near_values(gold, question: str = "") -> list[str]:
+    """For a numeric answer, the values next to it: one off (a whole number), 1% off (else), 0.5 and 0.9 above
+    (int() reads 24.9 as 24); none that is the answer at a precision the question asks for ("to 3 significant
+    figures", "to 2 decimal places")."""
+    try:
+        g = float(gold)
+    except (TypeError, ValueError):
+        return []
+    if not abs(g) < 1e15:  # nan, inf, or past exact whole floats
+        return []
+    near = [g + 0.5, g + 0.9] + ([g - 1, g + 1] if g == int(g) else [g * 1.01])
+    if m := re.search(r"(\d+) significant (?:figure|digit)", question):
+        same = lambda v: f"{v:.{max(int(m.group(1)) - 1, 0)}e}" == f"{g:.{max(int(m.group(1)) - 1, 0)}e}"
+        near = [v for v in near if not same(v)] + [g * 1.1]
+    elif m := re.search(r"(\d+) decimal places?", question):
+        near = [v for v in near if round(v, int(m.group(1))) != round(g, int(m.group(1)))]
+    return [str(int(v)) if v == int(v) else repr(v) for v in near]
+
+
+def near_expressions(numbers: list[int], target: Fraction, limit: int = 4) -> list[str]:
+    """Arithmetic over all of `numbers` (at most 4; each once, + - * / and brackets) whose value is within 1 of
+    `target` but not it: up to one below and one above, e.g. 24.9 from 8, 5, 10, 6 where 24 is asked."""
+    if len(numbers) > limit:
+        return []
+    def combine(terms):  # (text, value) of every expression over `terms`, each term once
+        if len(terms) == 1:
+            yield terms[0]
+            return
+        for i in range(1, len(terms)):
+            for mask in itertools.combinations(range(len(terms)), i):
+                left = [terms[j] for j in mask]
+                right = [terms[j] for j in range(len(terms)) if j not in mask]
+                for (a, x), (b, y) in itertools.product(combine(left), combine(right)):
+                    yield f"({a}+{b})", x + y
+                    yield f"({a}-{b})", x - y
+                    yield f"({a}*{b})", x * y
+                    if y:
+                        yield f"({a}/{b})", x / y
+    found = {}
+    for text, value in combine([(str(n), Fraction(n)) for n in numbers]):
+        if value != target and abs(value - target) < 1:
+            found.setdefault(value > target, text)
+            if len(found) == 2:
+                break
+    return [text[1:-1] if text.startswith("(") else text for text in found.values()]
 
 
 def rg_probe(name: str, entries: list[tuple[str, str]], timeout: float = 60.0) -> tuple[bool, str]:
     """How training may reward dataset `name`, judged on `entries` ((question, answer JSON) per row, drawn for
     the probe) as every check runs (reward workers, the sandbox, the guard, RG_CHECKS): (full_marks, what was
-    found). Raises ValueError, naming the dataset and what scored, when a row's own answer does not score 1.0,
-    a canary (rg_canaries) scores 1.0, or another row's answer scores 1.0 on half the rows it is tried on (one
-    row's solution may solve another puzzle too: jugs). full_marks when a canary earns partial credit: the
+    found). Raises ValueError, naming the dataset and what scored, when a row's own answer does not score 1.0 or
+    a canary (rg_canaries) scores 1.0 (see canary_verdict). full_marks when a canary earns partial credit: the
     library's scores then count only at 1.0 (rg_score); otherwise they pass as they are (continuous, as ProRL's
     puzzles)."""
     loaded = [(q, json.loads(a)) for q, a in entries]
@@ -328,25 +473,33 @@ def rg_probe(name: str, entries: list[tuple[str, str]], timeout: float = 60.0) -
                          f"(in the sandbox, the answer kept to a literal or an expression), does not give its own "
                          f"answer 1.0 ({why})")
     answers = [e["answer"] for _, e in loaded]
-    tried = [(canary, borrowed, row, a) for row, ((q, e), (_, a)) in enumerate(zip(loaded, entries))
-             for canary, borrowed in rg_canaries(q, e["answer"], e["metadata"], answers)]
+    tried = [(canary, kind, row, a) for row, ((q, e), (_, a)) in enumerate(zip(loaded, entries))
+             for canary, kind in rg_canaries(q, e["answer"], e["metadata"], answers)]
     scores, _, _ = workers.run([(workers.ref(rg_score), canary, a) for canary, _, _, a in tried], timeout, workers=2)
-    found = {}  # canary -> [(score, row)], a canary that errs or hangs scores 0, as in training
-    for (canary, borrowed, row, _), score in zip(tried, scores):
-        found.setdefault((canary, borrowed), []).append((score, row))
+    found = {}  # (canary, kind) -> [(score, row)], a canary that errs or hangs scores 0, as in training
+    for (canary, kind, row, _), score in zip(tried, scores):
+        found.setdefault((canary, kind), []).append((score, row))
     return canary_verdict(name, found, answers)
 
 
 def canary_verdict(name: str, found: dict, answers: list) -> tuple[bool, str]:
-    """rg_probe's verdict from each canary's scores (`found`: (canary, whether it is another row's answer) ->
-    [(score, row)]; `answers`: the rows' own): refused (ValueError) when one scores full marks, another row's
-    answer on half the rows it is tried on; (True, why) when one earns partial credit; else (False, why)."""
-    for (canary, borrowed), results in found.items():
-        full = [row for score, row in results if score >= 1.0]
-        if full and (not borrowed or len(full) >= max(2, len(results) / 2)):
-            raise ValueError(f"rg:{name}: this dataset is not supported: the wrong answer {canary[:80]!r} scores 1.0 "
-                             f"on probe row{'s' if len(full) > 1 else ''} {', '.join(map(str, full))} (answer "
-                             f"{str(answers[full[0]])[:60]!r}), so a policy could learn it instead of solving")
+    """rg_probe's verdict from each canary's scores (`found`: (canary, kind) -> [(score, row)]; `answers`: the
+    rows' own): refused (ValueError) when a canary scores full marks; one of a kind that may be right by chance
+    (a name or quoted option of the prompt, another row's answer: one jugs solution solves another puzzle too)
+    only when its kind does on at least half the rows it is tried on. (True, why) when one earns partial
+    credit, of any kind; else (False, why)."""
+    rows, solved = {}, {}  # kind -> the rows its canaries are tried on, and those they solve (row -> canary)
+    for (canary, kind), results in found.items():
+        rows.setdefault(kind, set()).update(row for _, row in results)
+        solved.setdefault(kind, {}).update({row: canary for score, row in results if score >= 1.0})
+    for kind, full in solved.items():
+        if full and (kind is None or len(full) >= max(2, len(rows[kind]) / 2)):
+            canary = full[min(full)]
+            hits = sorted(row for row, c in full.items() if c == canary or kind is not None)
+            raise ValueError(f"rg:{name}: this dataset is not supported: the wrong answer {canary[:80]!r} "
+                             f"{f'({kind}) ' if kind else ''}scores 1.0 on probe row{'s' if len(hits) > 1 else ''} "
+                             f"{', '.join(map(str, hits))} (answer {str(answers[hits[0]])[:60]!r}), so a policy could "
+                             f"learn it instead of solving")
     partial = [(score, canary, row) for (canary, _), results in found.items() for score, row in results if 0 < score < 1]
     if not partial:
         return False, "no wrong answer earned credit: its scores count as they are"

@@ -11,6 +11,7 @@ import functools
 import importlib
 import logging
 import math
+import os
 import multiprocessing as mp
 import resource
 import signal
@@ -27,6 +28,8 @@ IN_WORKER = False  # True in a worker, where the parent enforces the timeout: ve
 # without bound (~40-90 MB/s) until the timeout; capped, it raises MemoryError (an error, scored 0). A worker
 # needs ~70 MB; a code check's program sets its own limit (1 GB) inside its sandbox.
 MEMORY_MB = 1024
+RECYCLE_MB = MEMORY_MB // 2  # a worker holding more after a check ends and is replaced: what one response grew
+# (a parse that hit the cap) stays with the process, and the next checks would start near its limit
 PRELOAD = ["verifiers"]  # the forkserver imports math-verify and sympy once; forking from it is cheap
 SETUP_S = 120.0  # what a check may take on top of its timeout when it starts a sandboxed scorer first
 
@@ -79,6 +82,15 @@ def _serve(conn, memory_mb: int) -> None:
                 conn.send((i, score, None))
             except Exception as e:  # any model output or verifier bug scores 0; the parent counts it
                 conn.send((i, 0.0, f"{ref}: {type(e).__name__}: {e}"))
+            if rss_mb() > RECYCLE_MB:
+                conn.send("recycle")  # the rest of the chunk goes to a fresh worker
+                return
+
+
+def rss_mb() -> float:
+    """This process's resident memory now (MB)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 class _Worker:
@@ -117,9 +129,9 @@ def close_pool() -> None:
     POOL.clear()
 
 
-def _replace(w: _Worker, todo: deque) -> None:
-    """Kill a stuck or dead worker; its unanswered checks after the current one go back first in line."""
-    todo.extendleft(reversed(w.pending[1:]))
+def _replace(w: _Worker, todo: deque, started: int = 1) -> None:
+    """Kill a stuck or dead worker; its unanswered checks after the `started` one go back first in line."""
+    todo.extendleft(reversed(w.pending[started:]))
     w.kill()
     POOL[POOL.index(w)] = _Worker()
 
@@ -166,6 +178,9 @@ def run(tasks: list[tuple[str, str, str]], timeout: float, workers: int, batch_t
                 continue
             if msg == "ready":
                 w.ready = True
+                continue
+            if msg == "recycle":  # it answered its check, and holds too much memory for the next
+                _replace(w, todo, started=0)
                 continue
             if msg == "setup":  # the check starts a sandboxed scorer first
                 w.deadline = time.monotonic() + timeout + SETUP_S

@@ -258,6 +258,14 @@ def test_reward():
 
 
 @pytest.mark.slow
+def test_rg():
+    """Two datasets' probes, one refused (coin_flip: '0' is within its absolute tolerance of most answers)."""
+    r = last_json(run_bench("rg", "--datasets", "coin_flip,spell_backward"))
+    assert r["bench"] == "rg" and r["datasets"] == 2 and r["refused"] == ["coin_flip"], r
+    assert r["as is"] + r["full marks only"] == 1 and r["seconds"] > 0, r
+
+
+@pytest.mark.slow
 def test_plan_load():
     """The memory plan's loading measurement under torchrun, as docs/memory.md runs it: one JSON line a rank."""
     p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bench",

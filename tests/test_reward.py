@@ -21,7 +21,7 @@ import workers
 from sandbox import extract_code
 from reward import extract_answer, math_equal, overlong_reward, score_batch
 from verifiers import tiny_reward
-from faulty import boom, die, hang, number  # verifiers that raise, kill their worker, never return, or lie
+from faulty import boom, die, hang, hoard, number, resident  # verifiers that raise, kill their worker, never return, or lie
 
 
 
@@ -190,6 +190,18 @@ def test_score_batch_survives_a_dying_worker(monkeypatch):
         scores, metrics = score_batch(items)
     assert scores == [1.0, 0.0, 1.0, 0.0]
     assert metrics == {"reward/timeouts": 0, "reward/errors": 1}
+
+
+def test_a_worker_left_near_its_memory_cap_is_replaced_before_the_next_check(monkeypatch):
+    """A check that leaves 700 MB behind in its worker (a cap of 1024) costs nothing to the checks after it: the
+    worker ends after answering, and the rest of its chunk goes to a fresh one, with no error counted."""
+    monkeypatch.setitem(reward.VERIFIERS, "hoard", hoard)
+    monkeypatch.setitem(reward.VERIFIERS, "resident", resident)
+    items = [("resident", "", "")] + [("hoard", "700", ""), ("resident", "", ""), ("resident", "", "")] * 2
+    scores, metrics = score_batch(items, workers=1)
+    checked = [score for score, (verifier, _, _) in zip(scores, items) if verifier == "resident"]
+    assert all(0 < score < workers.RECYCLE_MB / workers.MEMORY_MB / 2 for score in checked), scores  # each one ran
+    assert metrics == {"reward/timeouts": 0, "reward/errors": 0}
 
 
 @pytest.mark.slow
@@ -786,22 +798,29 @@ def test_math_reads_the_end_of_a_response_longer_than_its_window():
     assert verifiers.math_reward(working[:verifiers.MAX_PARSE_CHARS - 12] + r" \boxed{42}", "42") == 1.0
 
 
-@pytest.mark.parametrize("score, borrowed, verdict", [
-    (1.0, False, "refused"), (0.999, False, "full marks"), (1e-3, False, "full marks"), (0.0, False, "as is"),
-    (1.0, True, "as is")])
-def test_a_canary_s_score_decides_on_each_side_of_full_marks(score, borrowed, verdict):
+@pytest.mark.parametrize("score, kind, verdict", [
+    (1.0, None, "refused"), (0.999, None, "full marks"), (1e-3, None, "full marks"), (0.0, None, "as is"),
+    (1.0, "a name of the prompt", "as is"), (0.5, "a name of the prompt", "full marks")])
+def test_a_canary_s_score_decides_on_each_side_of_full_marks(score, kind, verdict):
     """A wrong answer scoring 1.0 refuses a Reasoning Gym dataset, any credit below 1.0 makes it full-marks-only,
-    none leaves its scores as they are; another row's answer refuses it only when it solves half the rows it is
-    tried on (2 of 4 here: 1 of 4 is a puzzle with two solutions)."""
-    found = {("0", borrowed): [(score, 0)] + [(0.0, row) for row in (1, 2, 3)]}
+    none leaves its scores as they are. A kind of canary that may be right by chance (a name of the prompt,
+    another row's answer) refuses it only when it solves half the rows it is tried on, counted over the kind's
+    canaries: 2 of 4 here (1 of 4 is a puzzle with two solutions, or a name that is the answer)."""
+    found = {("0", kind): [(score, 0)] + [(0.0, row) for row in (1, 2, 3)]}
     if verdict == "refused":
         with pytest.raises(ValueError, match="scores 1.0 on probe row 0"):
             verifiers.canary_verdict("x", found, ["7"] * 4)
     else:
         assert verifiers.canary_verdict("x", found, ["7"] * 4)[0] == (verdict == "full marks")
-    twice = {("8", True): [(1.0, 0), (1.0, 1), (0.0, 2), (0.0, 3)]}
+    twice = {("8", "another row's answer '8'"): [(1.0, 0), (1.0, 1), (0.0, 2), (0.0, 3)]}
     with pytest.raises(ValueError, match="scores 1.0 on probe rows 0, 1"):
         verifiers.canary_verdict("x", twice, ["7"] * 4)
+    names = {("Ann", "a name of the prompt"): [(1.0, 0)], ("Bo", "a name of the prompt"): [(1.0, 2)],
+             ("Cy", "a name of the prompt"): [(0.0, 1)], ("Di", "a name of the prompt"): [(0.0, 3)]}
+    with pytest.raises(ValueError, match=r"'Ann' \(a name of the prompt\) scores 1.0 on probe rows 0, 2"):
+        verifiers.canary_verdict("x", names, ["7"] * 4)  # each name once, the kind on 2 rows of 4
+    del names[("Bo", "a name of the prompt")]
+    assert verifiers.canary_verdict("x", names, ["7"] * 4)[0] is False  # 1 row of 4: chance
 
 
 def test_a_final_answer_of_the_longest_length_is_compared_one_longer_is_not():
@@ -863,3 +882,86 @@ def test_silence_earns_nothing_on_instruction_following(tmp_path):
         assert not verifiers.silent(asks)
         path.write_text(json.dumps({"prompt": "p", "answer": [c("max_words", n=5), asks], "verifier": "ifeval"}) + "\n")
         assert len(data.load_rows(str(path))) == 1
+
+
+BOMBS = [r"9^{9^{9^9}}", r"10^{10^{10}}", r"(10^{100})!", r"99999999!", r"\prod_{k=1}^{10^{6}} k", r"(1+x)^{1000}",
+         r"(x+y+z)^{200}", r"\binom{10^{9}}{10^{5}}"]
+
+
+def test_answers_that_take_seconds_to_compare_score_nothing_before_the_timeout():
+    """Parsed, these stay unevaluated; compared, each ran past a 5 s timeout (or took 4 s: (1+x)^{1000}), so a
+    policy could make every check of a step wait for its timeout. Now none of them times out at 3 s, each scores 0,
+    while answers of the same shapes within the bounds, and a gold this big itself, still compare."""
+    items = [("math", rf"so \boxed{{{bomb}}}", "7") for bomb in BOMBS]
+    items += [("math", rf"\boxed{{{a}}}", g) for a, g in [
+        ("2^{2023}-1", "2^{2023}-1"), ("10^{1000}", "10^{1000}"), ("100!", "100!"), ("(1+x)^{2}", "1+2x+x^2"),
+        (r"\binom{10}{3}", "120"), (r"\sum_{k=1}^{10} k", "55"), ("e^{-x^2}", "e^{-x^2}"), ("9^{9^{9}}", "9^{9^{9}}")]]
+    scores, metrics = score_batch(items, timeout=3.0, workers=2)
+    assert scores == [0.0] * len(BOMBS) + [1.0] * 8 and metrics["reward/timeouts"] == 0, (scores, metrics)
+    import sympy
+    from math_verify import parse
+    for bomb in BOMBS:
+        assert any(isinstance(e, sympy.Basic) and verifiers._costly(e) for e in parse(rf"\boxed{{{bomb}}}")), bomb
+    x = sympy.Symbol("x")  # each bound on both sides
+    for e, costly in [(sympy.Pow(10, 10**6, evaluate=False), False), (sympy.Pow(10, 10**6 + 1, evaluate=False), True),
+                      (sympy.factorial(10**5, evaluate=False), False), (sympy.factorial(10**5 + 1, evaluate=False), True),
+                      ((1 + x) ** 200, False), ((1 + x) ** 400, True)]:
+        assert verifiers._costly(e) == costly, e
+
+
+def test_canaries_hold_what_a_policy_can_build_from_the_prompt():
+    """The probe's canaries hold the prompt echoed, its names, numbers and quoted options alone and together, the
+    task's labels joined both ways, every shift of a cipher text in one answer, the values next to a numeric
+    answer and arithmetic of the puzzle's numbers near its target; never the row's own answer."""
+    question = ('You meet 2 inhabitants: Amelia, and Elizabeth. As Amelia put it, "Elizabeth is a hero". Who is a hero '
+                'and who is a villain? (Format your answer like: "Amelia is a hero/villain, and Elizabeth is a '
+                'hero/villain")')
+    gold = "Amelia is a hero, and Elizabeth is a hero."
+    answers = [gold, "Amelia is a villain, and Elizabeth is a hero.", "Amelia is a hero, and Elizabeth is a villain."]
+    canaries = dict(verifiers.rg_canaries(question, gold, {}, answers))
+    assert canaries[question] is None and canaries[" Who is a hero and who is a villain?"] is None
+    assert canaries["Amelia"] == canaries["Elizabeth"] == "a name of the prompt"
+    assert canaries["Elizabeth is a hero"] == "a quoted option of the prompt"
+    for joined in ("Amelia Elizabeth", "herovillain", "villain hero", "FalseTrue", "Yes No", "No/Yes"):
+        assert any(joined in c for c in canaries), joined
+    assert canaries["Amelia is a villain, and Elizabeth is a hero."].startswith("another row's answer")
+    assert gold not in canaries
+    cipher = verifiers.prompt_canaries("Decrypt this Caesar cipher text: MAHLX YKHF FTKL. Provide only the answer.")
+    assert any("THOSE FROM MARS" in c.splitlines() and len(c.splitlines()) == 26 for c in cipher)
+    near = dict(verifiers.rg_canaries("Make 24 using 8, 5, 10, 6.", "10*(8 - 5) - 6", {"numbers": [8, 5, 10, 6]}, []))
+    close = [c for c in near if verifiers._value(c) is not None and 0 < abs(verifiers._value(c) - 24) < 1 and
+             sorted(map(int, re.findall(r"\d+", c))) == [5, 6, 8, 10]]
+    assert close and "10*(8 - 5) - 6" not in near
+    assert verifiers.near_values("24") == ["24.5", "24.9", "23", "25"]
+    entry = {"metadata": {"numbers": [8, 5, 10, 6], "target": 24}}
+    for name in ("puzzle24", "countdown"):  # their scorers read 24.9 as 24 (int()), or within 1e-6: exact here
+        assert verifiers.RG_CHECKS[name]("10*(8 - 5) - 6", entry) and not verifiers.RG_CHECKS[name](close[0], entry)
+
+
+@pytest.mark.slow
+def test_answers_built_from_the_prompt_earn_nothing():
+    """Tried as a reward-seeking policy would, without solving: the names of a knights-and-knaves prompt and its
+    labels together (0.65 before), "YesNo" on syllogisms (0.6), all 26 shifts of a Caesar text in one answer, the
+    answer with a digit appended (915864.9: 0.75 by substring credit), the prompt echoed, and a puzzle24 expression
+    of the puzzle's numbers worth 23.75 (its scorer reads the value through int()). Each now scores 0."""
+    import data
+    items = []
+    for row in data.rg_rows("rg:knights_knaves:4", seed=1):
+        meta = json.loads(row["answer"])["metadata"]
+        names, terms = meta["names"], [t for t in meta["knight_knave_terms"].values() if isinstance(t, str)]
+        items += [("rg", f"<answer>{a}</answer>", row["answer"]) for a in
+                  (" ".join(names), ", ".join(f"{n} is a {'/'.join(terms[:2])}" for n in names), row["prompt"])]
+    for row in data.rg_rows("rg:syllogism:4", seed=1):
+        items += [("rg", f"<answer>{a}</answer>", row["answer"]) for a in ("YesNo", "Yes No", "No/Yes")]
+    for row in data.rg_rows("rg:caesar_cipher:4", seed=1):
+        text = json.loads(row["answer"])["metadata"]["cipher_text"]
+        shifts = "\n".join("".join(chr((ord(c) - 65 + k) % 26 + 65) if c.isupper() else c for c in text) for k in range(26))
+        items.append(("rg", f"<answer>{shifts}</answer>", row["answer"]))
+    for row in data.rg_rows("rg:basic_arithmetic:4", seed=1):
+        items.append(("rg", f"<answer>{json.loads(row['answer'])['answer']}.9</answer>", row["answer"]))
+    for row in data.rg_rows("rg:puzzle24:4", seed=1):
+        numbers = json.loads(row["answer"])["metadata"]["numbers"]
+        items += [("rg", f"<answer>{e}</answer>", row["answer"]) for e in verifiers.near_expressions(numbers, 24)]
+    scores, metrics = score_batch(items, timeout=60, workers=2)
+    assert len(items) > 30 and scores == [0.0] * len(items), [(i[1][:60], s) for i, s in zip(items, scores) if s]
+    assert metrics["reward/timeouts"] == 0
