@@ -13,8 +13,12 @@ in fp32 is ~0.7 TB over all ranks: minutes at a few GB/s). Everything is written
 fsynced, then renamed (a step saved again, on the engine-failure path, is swapped in with one
 renameat2(RENAME_EXCHANGE)): at every instant a complete checkpoint is there, the old or the new. Every file is
 written and read through an outdir.Folder (a held folder descriptor; no link followed, regular files of one
-link only), so a name swapped under --out while a save runs makes the save fail, never write elsewhere. Which
-checkpoint a run resumes, and the --out folder's lock, are outdir.py's.
+link only), so a name swapped under --out while a save runs makes the save fail, never write elsewhere. The
+run's folder is the one each rank opened at start (train.claim_out): no writer is given a path under --out.
+The safetensors shards and the index are written by write_safetensors into a HashingWriter (a file opened in
+the held folder), torch.save (each rank's optimizer shard, routing.pt) writes into one too, and what
+transformers' save_pretrained writes by path (config, tokenizer) goes to a private folder in TMPDIR and is
+copied in the same way. Which checkpoint a run resumes, and the --out folder's lock, are outdir.py's.
 """
 import copy
 import errno
@@ -77,24 +81,23 @@ def write_manifest(folder: Folder, run_id: str, step: int, digests: dict[str, di
             os.fsync(f.fileno())
 
 
-def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, state: RunState, cfg,
+def save(out: Folder, name: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, state: RunState, cfg,
          git: str = "unknown") -> None:
-    """Write checkpoint `path` (see the module docstring). Every trainer rank calls this: the weights are
-    gathered from the shards (rank 0 writes them) and each rank writes its own optimizer state. `cfg` is
-    config.py's Config; the newest --keep-last checkpoints in cfg.out are kept."""
+    """Write checkpoint `name` into `out`, the run's folder held since its start (see the module docstring).
+    Every trainer rank calls this, each with its own hold on the same folder: the weights are gathered from the
+    shards (rank 0 writes them) and each rank writes its own optimizer state. `cfg` is config.py's Config; the
+    newest --keep-last checkpoints of this run are kept."""
     lead = distributed.rank() == 0
-    name = os.path.basename(path)
-    with Folder.at(os.path.dirname(path) or ".") as out:
+    if lead:
+        if name + ".tmp" in out.names():
+            out.remove(name + ".tmp")
+        out.sub(name + ".tmp", create=True).close()
+    distributed.barrier()
+    with out.sub(name + ".tmp") as tmp:
+        _save_into(tmp, lm, ref_lm, tokenizer, opt, sched, engine, pools, state, cfg, git)
         if lead:
-            if name + ".tmp" in out.names():
-                out.remove(name + ".tmp")
-            out.sub(name + ".tmp", create=True).close()
-        distributed.barrier()
-        with out.sub(name + ".tmp") as tmp:
-            _save_into(tmp, lm, ref_lm, tokenizer, opt, sched, engine, pools, state, cfg, git)
-            if lead:
-                publish(out, tmp, name)
-                outdir.prune(out.path, cfg.keep_last, state.run_id)
+            publish(out, tmp, name)
+            outdir.prune(out, cfg.keep_last, state.run_id)
     distributed.barrier()
 
 

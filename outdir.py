@@ -175,24 +175,33 @@ def file_digest(f) -> str:
     return h.hexdigest()
 
 
-def lock_out(out: str):
-    """Take --out for this run: an exclusive, non-blocking flock on out/.lock, held while the returned file is
-    open (the process's life; the kernel drops it when the process dies, even by SIGKILL). A folder that
-    another live run holds is refused, naming that run's pid and host."""
+def open_out(out: str) -> Folder:
+    """--out (made if needed), held open: the folder claimed at start, which every write of the run goes
+    through by its descriptor, so renaming or replacing --out or a folder above it mid-run cannot redirect a
+    write (they land in the folder held, under whatever name it has now)."""
     try:
         os.makedirs(out, exist_ok=True)
-        with Folder.at(out) as folder:
-            f = folder.open(".lock", "a+")
+        return Folder.at(out)
     except OSError as e:
         raise ValueError(f"--out {out}: cannot write there ({e.strerror})") from None
+
+
+def lock_out(folder: Folder):
+    """Take --out (`folder`) for this run: an exclusive, non-blocking flock on its .lock, held while the returned
+    file is open (the process's life; the kernel drops it when the process dies, even by SIGKILL). A folder
+    that another live run holds is refused, naming that run's pid and host."""
+    try:
+        f = folder.open(".lock", "a+")
+    except OSError as e:
+        raise ValueError(f"--out {folder.path}: cannot write there ({e.strerror})") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
         holder = f.read().strip() or "a process that did not say which"
         f.close()
-        raise ValueError(f"--out {out} is in use by another run ({holder}); two runs in one folder would mix "
-                         f"their records and checkpoints: wait for it to end, or choose another --out") from None
+        raise ValueError(f"--out {folder.path} is in use by another run ({holder}); two runs in one folder would "
+                         f"mix their records and checkpoints: wait for it to end, or choose another --out") from None
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -203,7 +212,7 @@ def lock_out(out: str):
 WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
 
-def write_error(e: OSError, what: str, out: str) -> ValueError | None:
+def write_error(e: OSError, what: str, out: Folder) -> ValueError | None:
     """A user's error, not a traceback, for a write that the machine refused (full disk, quota, read-only or
     forbidden --out): what failed, and what is safe. None for any other error."""
     if e.errno not in WRITE_ERRORS:
@@ -211,37 +220,45 @@ def write_error(e: OSError, what: str, out: str) -> ValueError | None:
     published = list_checkpoints(out)  # complete by construction: publish() renames only finished ones
     safe = (f"the checkpoints before it are intact (the newest, {published[-1]}, resumes with --resume auto "
             f"once --out can be written)" if published else "no checkpoint of this run was complete yet")
-    return ValueError(f"{what}: {e.strerror} ({e.filename or out}); {safe}")
+    return ValueError(f"{what}: {e.strerror} ({e.filename or out.path}); {safe}")
 
 
-def prune(out: str, keep_last: int, run_id: str) -> list[str]:
+def prune(out: Folder, keep_last: int, run_id: str) -> list[str]:
     """Delete all but the newest `keep_last` checkpoints (0: keep all) of run `run_id` in `out`, never one
     another run wrote. Returns the names deleted."""
-    mine = [name for name in list_checkpoints(out) if read_manifest(os.path.join(out, name)).get("run") == run_id]
+    mine = [name for name in list_checkpoints(out) if manifest_in(out, name).get("run") == run_id]
     gone = mine[:-keep_last] if keep_last > 0 else []
-    with Folder.at(out) as folder:
-        for name in gone:
-            folder.remove(name)
+    for name in gone:
+        out.remove(name)
     return gone
 
 
 CHECKPOINT = re.compile(r"step_(\d+)")
 
 
-def list_checkpoints(out: str) -> list[str]:
-    """step_N folders in `out`, oldest first by N (step_1000000 after step_999999), unfinished `.tmp` writes
-    excluded."""
-    if not os.path.isdir(out):
+def list_checkpoints(out: "Folder | str") -> list[str]:
+    """step_N folders in `out` (a held Folder, or a path), oldest first by N (step_1000000 after step_999999),
+    unfinished `.tmp` writes excluded."""
+    if isinstance(out, str) and not os.path.isdir(out):
         return []
-    steps = [(int(m.group(1)), name) for name in os.listdir(out) if (m := CHECKPOINT.fullmatch(name))]
+    names = out.names() if isinstance(out, Folder) else os.listdir(out)
+    steps = [(int(m.group(1)), name) for name in names if (m := CHECKPOINT.fullmatch(name))]
     return [name for _, name in sorted(steps)]
 
 
 def read_manifest(path: str) -> dict:
     """A checkpoint's manifest, {} when it has none that parses."""
     try:
-        with Folder.at(os.path.dirname(path) or ".") as parent, parent.sub(os.path.basename(path)) as folder, \
-                folder.open("manifest.json", "rb") as f:
+        with Folder.at(os.path.dirname(path) or ".") as parent:
+            return manifest_in(parent, os.path.basename(path))
+    except OSError:
+        return {}
+
+
+def manifest_in(out: Folder, name: str) -> dict:
+    """The manifest of checkpoint `name` in `out`, {} when it has none that parses."""
+    try:
+        with out.sub(name) as folder, folder.open("manifest.json", "rb") as f:
             found = json.loads(f.read(MANIFEST_BYTES))
         return found if isinstance(found, dict) else {}
     except (OSError, ValueError, RecursionError):
@@ -369,10 +386,9 @@ def find_resume(resume: str, out: str, overwrite: bool = False) -> str | None:
                      "\nstart the run again with --overwrite (deletes them), or choose another --out")
 
 
-def clear_run(out: str) -> list[str]:
+def clear_run(out: Folder) -> list[str]:
     """--overwrite: delete the run held in `out` (run_files); returns what was deleted."""
-    held = run_files(out)
-    with Folder.at(out) as folder:
-        for name in held:
-            folder.remove(name)
+    held = run_files(out.path)
+    for name in held:
+        out.remove(name)
     return held

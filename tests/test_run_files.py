@@ -152,7 +152,8 @@ def test_a_second_run_on_the_same_out_is_refused(tmp_path):
         first.wait()
     finally:
         kill_group(first)
-    outdir.lock_out(str(out)).close()  # the kernel released the dead run's lock
+    with outdir.Folder.at(str(out)) as folder:
+        outdir.lock_out(folder).close()  # the kernel released the dead run's lock
 
 
 def in_a_small_mount(tmp_path, options: str, *args, keep=None):
@@ -340,4 +341,53 @@ def test_checkpoints_are_ordered_by_step_number(tmp_path):
         fake_checkpoint(os.path.join(out, name))
     assert outdir.list_checkpoints(out) == ["step_999999", "step_1000000"]
     assert outdir.find_resume("auto", out) == os.path.join(out, "step_1000000")
-    assert outdir.prune(out, 1, "run-1") == ["step_999999"] and os.path.isdir(os.path.join(out, "step_1000000"))
+    with outdir.Folder.at(out) as folder:
+        assert outdir.prune(folder, 1, "run-1") == ["step_999999"]
+    assert os.path.isdir(os.path.join(out, "step_1000000"))
+
+
+# ------------------------------------------------------------------------ the run's folder, held from the start
+
+TINY = ["--steps", "3", "--save-every", "1", "--keep-last", "0", "--eval-data", "", "--train-groups", "1",
+        "--prompts-per-step", "2", "--group-size", "2", "--max-response-len", "8", "--segments", "1",
+        "--dump-samples", "2"]
+
+
+@pytest.mark.parametrize("renamed", ["out", "parent"])
+def test_renaming_out_or_a_parent_mid_run_redirects_nothing(tmp_path, monkeypatch, renamed):
+    """In this process: --out (or the folder above it) renamed after the first checkpoint, and a new folder made
+    under the old name. Later checkpoints and records were written by name, into the new folder; now every one
+    lands in the folder claimed at start, under its new name, and nothing appears under the old one."""
+    import harness
+    out = tmp_path / "parent" / "run"
+    moved = {"out": tmp_path / "parent" / "moved", "parent": tmp_path / "moved" / "run"}[renamed]
+    real_save = checkpoint.save
+
+    def save_then_rename(**kw):
+        real_save(**kw)
+        if kw["name"] == "step_000001":
+            os.rename(out, moved) if renamed == "out" else os.rename(out.parent, moved.parent)
+            out.mkdir(parents=True)  # another folder takes the old name
+    monkeypatch.setattr(checkpoint, "save", save_then_rename)
+    harness.train_run(TINY, out)
+    assert os.listdir(out) == []
+    assert outdir.list_checkpoints(str(moved)) == ["step_000001", "step_000002", "step_000003"]
+    assert all(outdir.problem(str(moved / f"step_00000{i}")) is None for i in (1, 2, 3))
+    assert [r["step"] for r in harness.records(moved)] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in open(moved / "samples.jsonl")] == [1, 1, 2, 2, 3, 3]
+
+
+def test_every_rank_must_hold_rank_0s_folder(tmp_path):
+    """Each trainer rank opens --out itself and writes its optimizer state there: a rank whose --out is another
+    folder (another working directory, a link changed between the ranks' starts) is refused, naming it."""
+    import train
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with outdir.Folder.at(str(tmp_path / "a")) as a, outdir.Folder.at(str(tmp_path / "b")) as b:
+        same = train.folder_identity(a)
+        train.same_folder(a, [same, same])
+        other_host = ("node-2", same[1] + 1, same[2])  # a shared file system: another device number there
+        train.same_folder(a, [same, other_host])
+        for wrong in (train.folder_identity(b), ("node-2", same[1], train.folder_identity(b)[2])):
+            with pytest.raises(ValueError, match=f"--out {a.path} is not the same folder on rank 1"):
+                train.same_folder(a, [same, wrong])
