@@ -8,6 +8,7 @@ checkpoint whose files all match the sizes and sha256 digests in its manifest.js
 reached through a `Folder` (a held directory descriptor, no link followed, regular files of one link only), and a
 refused write (full disk, read-only --out) is reported with what is safe.
 """
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -351,7 +352,8 @@ def find_resume(resume: str, out: str, overwrite: bool = False) -> str | None:
     that holds a run is never written over unless --resume continues it or --overwrite says so; --resume auto
     takes the newest checkpoint that passes its manifest check (those skipped are named), starts fresh in a
     folder holding no run, and stops, listing what it found and why each was rejected, when nothing of a run
-    there can be resumed. Read-only: --overwrite's deletion is clear_run()'s."""
+    there can be resumed; a checkpoint whose manifest names a run runs.json does not list (copied in from
+    another --out) stops it too. Read-only: --overwrite's deletion is clear_run()'s."""
     refuse_links(out)
     held = run_files(out)
     if overwrite:
@@ -370,8 +372,12 @@ def find_resume(resume: str, out: str, overwrite: bool = False) -> str | None:
             raise ValueError(f"--resume {resume} writes into --out {out}, which holds another run ({', '.join(held[:5])}"
                              f"): choose an empty --out, or --out {os.path.dirname(os.path.abspath(resume))}")
         return resume
-    rejected = []
+    rejected, runs = [], runs_of(out)
     for name in reversed(list_checkpoints(out)):
+        if (manifest := read_manifest(os.path.join(out, name))) and (owner := manifest.get("run")) not in runs:
+            raise ValueError(f"--resume auto: {os.path.join(out, name)} was written by run {owner!r}, not by a run of "
+                             f"this --out ({os.path.join(out, RUNS)} lists {', '.join(runs) or 'none'}): a checkpoint "
+                             f"copied in from another --out is not continued; remove it, or resume it by name")
         why = problem(os.path.join(out, name))
         if why is None:
             for skipped, reason in rejected:
@@ -384,6 +390,60 @@ def find_resume(resume: str, out: str, overwrite: bool = False) -> str | None:
     lines = [f"  {name}: {why}" for name, why in rejected] or [f"  no checkpoint; {', '.join(held)} only"]
     raise ValueError(f"--resume auto: nothing in {out} can be resumed:\n" + "\n".join(lines) +
                      "\nstart the run again with --overwrite (deletes them), or choose another --out")
+
+
+RUNS = "runs.json"  # the run ids this --out has started, oldest first: the checkpoints --resume auto may take
+
+
+def runs_of(out: "Folder | str") -> list[str]:
+    """The run ids --out's runs.json lists ([] without one: a new folder)."""
+    try:
+        with (contextlib.nullcontext(out) if isinstance(out, Folder) else Folder.at(out)) as folder, \
+                folder.open(RUNS, "rb") as f:
+            runs = json.loads(f.read(MANIFEST_BYTES))["runs"]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise ValueError(f"{os.path.join(out if isinstance(out, str) else out.path, RUNS)} is not the list of runs "
+                         f"a run writes ({type(e).__name__}: {e}); remove it to start afresh") from None
+    if not isinstance(runs, list) or not all(isinstance(r, str) for r in runs):
+        raise ValueError(f"{os.path.join(out if isinstance(out, str) else out.path, RUNS)}: 'runs' is not a list of "
+                         f"run ids; remove it to start afresh")
+    return runs
+
+
+def begin_run(out: Folder, resume_from: str | None, new_id: str) -> str:
+    """The id this run writes its checkpoints under, added to runs.json (rank 0, holding the lock). Resuming the
+    newest checkpoint of --out continues its run (its id); resuming an older one starts a new branch (`new_id`),
+    and the checkpoints newer than it move aside, to `aside-<new_id>/` in --out (kept, said where): left in
+    place, their step names would be written over, and --resume auto would continue the abandoned branch. A
+    fresh run, or one resumed from another folder, is new too."""
+    run_id, here = new_id, None
+    if resume_from:
+        parent = os.stat(os.path.dirname(os.path.abspath(resume_from)))
+        held = os.fstat(out.fd)
+        here = os.path.basename(resume_from) if (parent.st_dev, parent.st_ino) == (held.st_dev, held.st_ino) else None
+    if here:
+        saved = manifest_in(out, here)
+        newer = [n for n in list_checkpoints(out) if int(CHECKPOINT.fullmatch(n).group(1)) > saved.get("step", 0)]
+        if not newer:
+            run_id = saved.get("run") or new_id
+        else:
+            aside = f"aside-{new_id}"
+            out.sub(aside, create=True).close()
+            for name in newer:
+                out.replace(name, os.path.join(aside, name))
+            print(f"--resume {resume_from} is not the newest checkpoint of --out: this run is a new branch, run id "
+                  f"{new_id}; the newer checkpoints ({', '.join(newer)}) moved to {os.path.join(out.path, aside)}/",
+                  flush=True)
+    runs = runs_of(out)
+    if run_id not in runs:
+        with out.open(RUNS + ".tmp", "w") as f:
+            json.dump({"runs": runs + [run_id]}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        out.replace(RUNS + ".tmp", RUNS)
+    return run_id
 
 
 def clear_run(out: Folder) -> list[str]:

@@ -222,21 +222,24 @@ class Run:
         return placement.memory_peaks(self.cfg, self.host_before)
 
 
-def claim_out(cfg: Config, lead: bool) -> tuple[str | None, outdir.Folder, object]:
+def claim_out(cfg: Config, lead: bool) -> tuple[str | None, outdir.Folder, object, str]:
     """--out before anything loads: the checkpoint --resume names (None: a fresh run), the folder held open for
-    the run's life (every rank's own hold, each checked to be rank 0's folder) and rank 0's lock, one run per
-    --out until this process ends; --overwrite clears the old run first."""
+    the run's life (every rank's own hold, each checked to be rank 0's folder), rank 0's lock, one run per
+    --out until this process ends, and the run's id (outdir.begin_run: a resumed older checkpoint starts a new
+    branch); --overwrite clears the old run first."""
     resume_from = outdir.find_resume(cfg.resume, cfg.out, cfg.overwrite)
-    out = out_lock = None
+    out = out_lock = run_id = None
     if lead:
         out = outdir.open_out(cfg.out)
         out_lock = outdir.lock_out(out)
         if cfg.overwrite and (gone := outdir.clear_run(out)):
             print(f"--overwrite: deleted {', '.join(gone)} from {cfg.out}", flush=True)
+        new_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"  # unique in one process too
+        run_id = outdir.begin_run(out, resume_from, new_id)
     distributed.barrier()
     out = out or outdir.Folder.at(cfg.out)  # made by rank 0
     same_folder(out, distributed.gather_objects(folder_identity(out)))
-    return resume_from, out, out_lock
+    return resume_from, out, out_lock, distributed.broadcast(run_id)
 
 
 def folder_identity(out: outdir.Folder) -> tuple[str, int, int]:
@@ -260,7 +263,7 @@ def set_up(cfg: Config) -> Run | None:
     rank, world, lead, threads, plan, engine_mem = placement.start(cfg)
     if plan is None:
         return None
-    resume_from, out, out_lock = claim_out(cfg, lead)
+    resume_from, out, out_lock, run_id = claim_out(cfg, lead)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed + rank)
     rows, eval_rows = load_data(cfg, lead)  # data before models: a bad row stops the run at once
@@ -271,7 +274,7 @@ def set_up(cfg: Config) -> Run | None:
     opt = torch.optim.AdamW(masters.parameters() if masters else policy.parameters(), lr=cfg.lr,
                             weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(ulorl.lr_factor, cfg=cfg))
-    state = RunState(run_id=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    state = RunState(run_id=run_id)
     ranks = distributed.Ranks(policy, masters, seqpar.sp_size())
     run = Run(cfg, world, lead, threads, policy, ref, lm, ref_lm, tokenizer, masters, ranks, opt, sched, state, host_before,
               eval_rows=eval_rows, out=out, out_lock=out_lock, startup=startup_metrics(load_peak, plan))
@@ -285,11 +288,12 @@ def set_up(cfg: Config) -> Run | None:
                                  engine=run.engine, pools=pools, state=state, cfg=cfg, git=logs.git_hash())
     if resume_from:
         checkpoint.load(resume_from, opt, sched, run.engine, pools, state, masters)
+        state.run_id = run_id  # the checkpoint's own, or a new branch's
     if lead:
         sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
         run.rollouts = Rollouts(run.engine, pools, rows, state, tokenizer, sampling, cfg, run.judge)
         if resume_from:
-            print(f"resumed from {resume_from} at step {state.step}", flush=True)
+            print(f"resumed from {resume_from} at step {state.step} (run id {run_id})", flush=True)
         run.log = logs.RunLog(cfg, out, state.step if resume_from else None)
         if state.step == 0 and eval_rows:
             run.log.record({**evaluate_before_training(run.engine, tokenizer, eval_rows, cfg, run.judge, state),

@@ -118,7 +118,7 @@ def test_overwrite_starts_again_and_says_what_it_deleted(first_run, tmp_path):
     p = run_train(*RUN, "--steps", "1", "--out", str(out), "--overwrite", "true")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "--overwrite: deleted metrics.jsonl, samples.jsonl, step_000001, step_000002" in p.stdout
-    assert sorted(os.listdir(out)) == [".lock", "metrics.jsonl", "samples.jsonl", "step_000001"]
+    assert sorted(os.listdir(out)) == [".lock", "metrics.jsonl", "runs.json", "samples.jsonl", "step_000001"]
     with open(out / "metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == [0, 1]
 

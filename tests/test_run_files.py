@@ -339,6 +339,7 @@ def test_checkpoints_are_ordered_by_step_number(tmp_path):
     out = str(tmp_path)
     for name in ("step_999999", "step_1000000"):
         fake_checkpoint(os.path.join(out, name))
+    (tmp_path / outdir.RUNS).write_text('{"runs": ["run-1"]}')
     assert outdir.list_checkpoints(out) == ["step_999999", "step_1000000"]
     assert outdir.find_resume("auto", out) == os.path.join(out, "step_1000000")
     with outdir.Folder.at(out) as folder:
@@ -391,3 +392,53 @@ def test_every_rank_must_hold_rank_0s_folder(tmp_path):
         for wrong in (train.folder_identity(b), ("node-2", same[1], train.folder_identity(b)[2])):
             with pytest.raises(ValueError, match=f"--out {a.path} is not the same folder on rank 1"):
                 train.same_folder(a, [same, wrong])
+
+
+def manifest_run(path) -> str:
+    return outdir.read_manifest(str(path))["run"]
+
+
+def test_resuming_an_older_checkpoint_starts_a_branch_and_auto_continues_the_newest(tmp_path, capsys):
+    """In this process: a run of 4 steps resumed from step 2 with --keep-last 1. That resume kept the run id,
+    so its prune deleted the step-3 checkpoint it had just written (the first run's step 4 was newer), and
+    --resume auto continued the abandoned branch. Now it is a new run id, said at start; the first run's steps
+    3-4 move aside (kept, named), the prune keeps what it wrote, and --resume auto continues it, keeping its id."""
+    import harness
+    out = tmp_path / "run"
+    harness.train_run([*TINY, "--steps", "4"], out)
+    first = manifest_run(out / "step_000004")
+    assert outdir.runs_of(str(out)) == [first]
+    capsys.readouterr()
+    harness.train_run([*TINY, "--keep-last", "1", "--resume", str(out / "step_000002")], out)
+    said = capsys.readouterr().out
+    branch = outdir.runs_of(str(out))[1]
+    assert outdir.runs_of(str(out)) == [first, branch] and branch != first
+    aside = out / f"aside-{branch}"
+    assert f"this run is a new branch, run id {branch}; the newer checkpoints (step_000003, step_000004) moved to " \
+           f"{aside}/" in said
+    assert outdir.list_checkpoints(str(aside)) == ["step_000003", "step_000004"]
+    assert all(manifest_run(aside / n) == first and outdir.problem(str(aside / n)) is None for n in os.listdir(aside))
+    assert outdir.list_checkpoints(str(out)) == ["step_000001", "step_000002", "step_000003"]
+    assert [manifest_run(out / f"step_00000{i}") for i in (1, 2, 3)] == [first, first, branch]
+    assert outdir.find_resume("auto", str(out)) == str(out / "step_000003")
+    harness.train_run([*TINY, "--steps", "4", "--keep-last", "1", "--resume", "auto"], out)
+    assert f"resumed from {out / 'step_000003'} at step 3 (run id {branch})" in capsys.readouterr().out
+    assert outdir.runs_of(str(out)) == [first, branch] and manifest_run(out / "step_000004") == branch
+    assert outdir.list_checkpoints(str(out)) == ["step_000001", "step_000002", "step_000004"]
+
+
+def test_resume_auto_refuses_a_checkpoint_copied_in_from_another_out(tmp_path):
+    """A checkpoint copied into --out from another run's folder (its manifest intact) was taken by --resume auto
+    as this run's newest. Now --resume auto takes only checkpoints of the runs this --out's runs.json lists, and
+    stops with one line naming the stranger; resuming it by name, or into an empty --out, still works."""
+    import harness
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    harness.train_run([*TINY, "--steps", "1"], mine)
+    harness.train_run([*TINY, "--steps", "2"], other)
+    shutil.copytree(other / "step_000002", mine / "step_000002")
+    with pytest.raises(ValueError) as e:
+        outdir.find_resume("auto", str(mine))
+    assert f"--resume auto: {mine / 'step_000002'} was written by run {manifest_run(other / 'step_000002')!r}, " \
+           f"not by a run of this --out" in str(e.value) and "\n" not in str(e.value)
+    assert outdir.find_resume(str(mine / "step_000002"), str(mine)) == str(mine / "step_000002")
+    assert outdir.find_resume(str(other / "step_000002"), str(tmp_path / "empty")) == str(other / "step_000002")
