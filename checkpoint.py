@@ -195,16 +195,17 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
     copies them into the module."""
     with Folder.at(os.path.dirname(path) or ".") as out, out.sub(os.path.basename(path)) as folder:
         with folder.open("ulorl_state.json", "r") as f:
-            saved = json.load(f)
+            try:
+                saved = json.load(f)
+            except (ValueError, RecursionError) as e:
+                raise ValueError(f"{os.path.join(path, 'ulorl_state.json')}: not JSON ({e})") from None
         if saved["world_size"] != distributed.world():
             raise ValueError(f"--resume {path}: saved by {saved['world_size']} trainer process(es), resumed "
                              f"with {distributed.world()}; run with --nproc-per-node {saved['world_size']}")
-        with folder.open(f"trainer_state_rank{distributed.rank()}.pt", "rb") as f:
-            trainer = torch.load(f, weights_only=True)
+        trainer = load_tensors(folder, f"trainer_state_rank{distributed.rank()}.pt")
         routes = None
         if distributed.rank() == 0 and "routing.pt" in folder.names():  # only rank 0 samples
-            with folder.open("routing.pt", "rb") as f:
-                routes = torch.load(f, weights_only=True)
+            routes = load_tensors(folder, "routing.pt")
     load_optimizer(opt, trainer["optimizer"])
     if trainer.get("masters") is not None:
         with torch.no_grad():
@@ -231,6 +232,17 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
     if routes is not None:
         for s in pooled(pools, state):
             s.routing = routes.get(s.uid)
+
+
+def load_tensors(folder: Folder, name: str):
+    """torch.load of `name` in `folder` as weights only: a pickle that would build anything else (run code) is
+    refused, naming the file, as is a file torch cannot read."""
+    with folder.open(name, "rb") as f:
+        try:
+            return torch.load(f, weights_only=True)
+        except Exception as e:  # pickle's UnpicklingError, torch's RuntimeError for a damaged archive, ...
+            raise ValueError(f"{os.path.join(folder.path, name)}: not a file of tensors that loads without running "
+                             f"code ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 # ------------------------------------------------------------------ HF-format weights with their digests

@@ -442,3 +442,127 @@ def test_resume_auto_refuses_a_checkpoint_copied_in_from_another_out(tmp_path):
            f"not by a run of this --out" in str(e.value) and "\n" not in str(e.value)
     assert outdir.find_resume(str(mine / "step_000002"), str(mine)) == str(mine / "step_000002")
     assert outdir.find_resume(str(other / "step_000002"), str(tmp_path / "empty")) == str(other / "step_000002")
+
+
+# ------------------------------------------------------------- a planted checkpoint, its manifest made to match
+# Whoever can write into --out can put files in a checkpoint and rewrite its manifest to match them: resume then
+# trusts the digests. What the libraries would run, hang on or read out of bounds must still end in one line
+# naming the file, and run nothing.
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    import harness
+    return harness.train_run([*TINY, "--steps", "1"], tmp_path_factory.mktemp("saved") / "run")
+
+
+def planted(saved_run, tmp_path, files: dict) -> str:
+    """A copy of the saved run whose step_000001 holds `files` (name -> bytes or text), the manifest rewritten
+    to match."""
+    out = tmp_path / "run"
+    shutil.copytree(saved_run, out)
+    ckpt = out / "step_000001"
+    for name, content in files.items():
+        (ckpt / name).write_bytes(content.encode() if isinstance(content, str) else content)
+    run_id = outdir.read_manifest(str(ckpt))["run"]
+    os.remove(ckpt / "manifest.json")
+    with outdir.Folder.at(str(ckpt)) as folder:
+        checkpoint.write_manifest(folder, run_id, 1, {})
+    assert outdir.find_resume("auto", str(out)) == str(ckpt)  # the digests match: resume trusts it
+    return str(out)
+
+
+class Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def lying_header(saved_run, how: str) -> bytes:
+    with open(os.path.join(saved_run, "step_000001", "model.safetensors"), "rb") as f:
+        blob = f.read()
+    n = int.from_bytes(blob[:8], "little")
+    if how == "huge":
+        return (1 << 62).to_bytes(8, "little") + blob[8:]
+    header = json.loads(blob[8:8 + n])
+    first = next(k for k in header if k != "__metadata__")
+    header[first]["data_offsets"][1] += 1 << 30  # a tensor reaching a GiB past the file's end
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + blob[8 + n:]
+
+
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
+
+
+@pytest.mark.parametrize("attack, name, says", [
+    ("pickle", "trainer_state_rank0.pt", "not a file of tensors that loads without running code"),
+    ("offsets", "model.safetensors", "spans 1073750528 bytes, not 8704"),
+    ("huge header", "model.safetensors", "its header size (4611686018427387904 bytes) does not fit the file"),
+    ("auto_map", "config.json", "names code of its own to run (auto_map)"),
+    ("loop", "chat_template.jinja", "its chat template ran over 1 s on one prompt"),
+    ("include", "chat_template.jinja", "its chat template reads other templates")])
+def test_a_planted_checkpoint_ends_in_one_line_naming_the_file(saved_run, tmp_path, monkeypatch, attack, name, says):
+    """In this process, --resume auto of a checkpoint holding: an optimizer state that is a pickle running a
+    command; a safetensors header whose tensor runs past the file's end, or whose header size is 2^62 (tracebacks
+    from the library); a config.json naming code of its own beside it (auto_map); a chat template of nested loops
+    (it hung resume) or one that includes another file. Each is a ValueError of one line naming the file, within
+    seconds, and nothing of it runs."""
+    import harness
+    import data
+    marker = tmp_path / "ran"
+    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 1.0)
+    with open(os.path.join(saved_run, "step_000001", "config.json")) as f:
+        config = json.load(f)
+    evil = tmp_path / "evil.pt"
+    torch.save({"optimizer": Evil(marker)}, evil)
+    files = {"pickle": {name: evil.read_bytes()},
+             "offsets": {name: lying_header(saved_run, "offsets")},
+             "huge header": {name: lying_header(saved_run, "huge")},
+             "auto_map": {name: json.dumps({**config, "auto_map": {"AutoConfig": "evil.EvilConfig"}}),
+                          "evil.py": f"open({str(marker)!r}, 'w')\n"},
+             "loop": {name: LOOPS},
+             "include": {name: "{% include '/etc/passwd' %}"}}[attack]
+    out = planted(saved_run, tmp_path, files)
+
+    def hung(*_):
+        raise TimeoutError("resume hung")
+    signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)
+    try:
+        with pytest.raises(ValueError) as e:
+            harness.train_run([*TINY, "--steps", "2", "--resume", "auto"], out)
+    finally:
+        signal.alarm(0)
+    message = str(e.value)
+    assert message.startswith(os.path.join(out, "step_000001", name)) and says in message, message
+    assert "\n" not in message and not marker.exists()
+
+
+def test_a_template_that_loops_is_stopped_in_any_thread(monkeypatch):
+    """--overlap draws prompts in the rollout thread, where no signal reaches: the bound holds there too, and a
+    rendering that ends in time leaves nothing pending for the code after it."""
+    import threading
+    import data
+    import tiny
+    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 0.5)
+    tok = tiny.make_tokenizer()
+    tok.chat_template = LOOPS
+    errors = []
+
+    def draw():
+        try:
+            data.encode_prompt(tok, "1+2=")
+        except ValueError as e:
+            errors.append(str(e))
+    started = time.monotonic()
+    thread = threading.Thread(target=draw, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - started < 3
+    assert len(errors) == 1 and "its chat template ran over 0.5 s on one prompt" in errors[0], errors
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for _ in range(3):
+        assert data.encode_prompt(tok, "1+2=") == tok("1+2=").input_ids
+        time.sleep(0.6)  # past the deadline of the rendering that ended: nothing arrives
