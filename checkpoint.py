@@ -20,6 +20,7 @@ the held folder), torch.save (each rank's optimizer shard, routing.pt) writes in
 transformers' save_pretrained writes by path (config, tokenizer) goes to a private folder in TMPDIR and is
 copied in the same way. Which checkpoint a run resumes, and the --out folder's lock, are outdir.py's.
 """
+import contextlib
 import copy
 import errno
 import dataclasses
@@ -304,6 +305,15 @@ def write_safetensors(tensors: dict[str, torch.Tensor], f, metadata: dict | None
             f.write(t.contiguous().view(-1).view(torch.uint8).numpy())
 
 
+@contextlib.contextmanager
+def in_tmpdir():
+    """A refused write in the block is TMPDIR's (outdir.TmpdirError): a full TMPDIR is said as such, not as --out."""
+    try:
+        yield
+    except OSError as e:
+        raise outdir.TmpdirError(e.errno, e.strerror, tempfile.gettempdir()) from None
+
+
 def save_weights(lm, weights, tokenizer, dest: "Folder | str", max_shard_bytes: int = 5 << 30,
                  dtype: torch.dtype | None = None) -> dict[str, dict]:
     """An HF-format checkpoint written into `dest` (a Folder, or a path made if needed) as the (name, tensor) pairs
@@ -352,11 +362,14 @@ def save_weights(lm, weights, tokenizer, dest: "Folder | str", max_shard_bytes: 
         config.dtype = dtype
     # what the libraries write themselves (config, generation config, tokenizer) goes to a private folder first,
     # then into `dest` through HashingWriter: a library opens paths, and would follow a link planted in --out
-    with tempfile.TemporaryDirectory(prefix="ulorl_save_") as private:
-        config.save_pretrained(private)
-        if getattr(lm, "generation_config", None) is not None:
-            lm.generation_config.save_pretrained(private)
-        tokenizer.save_pretrained(private)
+    with in_tmpdir():
+        folder = tempfile.TemporaryDirectory(prefix="ulorl_save_")
+    with folder as private:
+        with in_tmpdir():
+            config.save_pretrained(private)
+            if getattr(lm, "generation_config", None) is not None:
+                lm.generation_config.save_pretrained(private)
+            tokenizer.save_pretrained(private)
         for name in sorted(os.listdir(private)):
             with open(os.path.join(private, name), "rb") as src, HashingWriter(dest, name) as f:
                 for block in iter(lambda: src.read(1 << 20), b""):

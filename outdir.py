@@ -213,15 +213,21 @@ def lock_out(folder: Folder):
 WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
 
+class TmpdirError(OSError):
+    """A write to TMPDIR (where a library writes what is then copied into --out) refused: its filename is TMPDIR."""
+
+
 def write_error(e: OSError, what: str, out: Folder) -> ValueError | None:
     """A user's error, not a traceback, for a write that the machine refused (full disk, quota, read-only or
-    forbidden --out): what failed, and what is safe. None for any other error."""
+    forbidden --out, or TMPDIR): what failed, where, and what is safe. None for any other error."""
     if e.errno not in WRITE_ERRORS:
         return None
+    where = "TMPDIR" if isinstance(e, TmpdirError) else "--out"
     published = list_checkpoints(out)  # complete by construction: publish() renames only finished ones
     safe = (f"the checkpoints before it are intact (the newest, {published[-1]}, resumes with --resume auto "
-            f"once --out can be written)" if published else "no checkpoint of this run was complete yet")
-    return ValueError(f"{what}: {e.strerror} ({e.filename or out.path}); {safe}")
+            f"once {where} can be written)" if published else "no checkpoint of this run was complete yet")
+    return ValueError(f"{what}: {e.strerror} ({where + ' ' if where == 'TMPDIR' else ''}{e.filename or out.path}); "
+                      f"{safe}")
 
 
 def prune(out: Folder, keep_last: int, run_id: str) -> list[str]:

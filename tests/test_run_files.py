@@ -566,3 +566,32 @@ def test_a_template_that_loops_is_stopped_in_any_thread(monkeypatch):
     for _ in range(3):
         assert data.encode_prompt(tok, "1+2=") == tok("1+2=").input_ids
         time.sleep(0.6)  # past the deadline of the rendering that ended: nothing arrives
+
+
+def test_a_full_tmpdir_is_named_as_tmpdir_not_out(tmp_path, monkeypatch):
+    """In this process: the tokenizer's save_pretrained (which writes into a private folder in TMPDIR, copied
+    into the checkpoint after) refused for a full disk at the second save. The message named --out, the folder
+    with room, and said to resume once --out could be written; now it names TMPDIR."""
+    import errno
+    import tempfile
+    import harness
+    from transformers import PreTrainedTokenizerBase
+    tmpdir, out = tmp_path / "tmpdir", tmp_path / "run"
+    tmpdir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+    real, calls = PreTrainedTokenizerBase.save_pretrained, []
+
+    def full(self, path, *args, **kw):
+        calls.append(path)
+        assert path.startswith(str(tmpdir))
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, path, *args, **kw)
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", full)
+    with pytest.raises(ValueError) as e:
+        harness.train_run(TINY, out)
+    assert str(e.value) == (f"could not write checkpoint {out / 'step_000002'}: No space left on device (TMPDIR "
+                            f"{tmpdir}); the checkpoints before it are intact (the newest, step_000001, resumes "
+                            f"with --resume auto once TMPDIR can be written)")
+    assert outdir.list_checkpoints(str(out)) == ["step_000001"] and "step_000002.tmp" not in os.listdir(out)
+    assert not [n for n in os.listdir(tmpdir) if n.startswith("ulorl_save_")]  # the private folder went too
