@@ -339,7 +339,8 @@ def _watch() -> None:
             for thread, deadline in [*_deadlines.items()]:
                 if time.monotonic() > deadline:
                     del _deadlines[thread]
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(TemplateTimeout))
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
+                                                               ctypes.py_object(TemplateTimeout))
 
 
 def bounded(render, seconds: float):

@@ -161,7 +161,8 @@ def safetensors_problem(path: str) -> str | None:
         except (KeyError, TypeError, ValueError):
             return f"tensor {name!r} has no dtype, shape and data_offsets as safetensors writes them"
         if end - begin != math.prod(shape) * itemsize:
-            return f"tensor {name!r} ({t['dtype']} {shape}) spans {end - begin} bytes, not {math.prod(shape) * itemsize}"
+            return (f"tensor {name!r} ({t['dtype']} {shape}) spans {end - begin} bytes, not "
+                    f"{math.prod(shape) * itemsize}")
         spans.append((begin, end, name))
     at = 0
     for begin, end, name in sorted(spans):

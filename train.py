@@ -284,8 +284,8 @@ def set_up(cfg: Config) -> Run | None:
         if cfg.verifier_model and cfg.verifier_mode != "off":
             run.judge = eval_lib.load_judge(cfg.verifier_model, cfg.verifier_mode, cfg.verifier_max_tokens,
                                             cfg.dtype, cfg.device, cfg.seed)
-    run.save = functools.partial(save_checkpoint, out=out, lm=lm, ref_lm=ref_lm, tokenizer=tokenizer, opt=opt, sched=sched,
-                                 engine=run.engine, pools=pools, state=state, cfg=cfg, git=logs.git_hash())
+    run.save = functools.partial(save_checkpoint, out=out, lm=lm, ref_lm=ref_lm, tokenizer=tokenizer, opt=opt,
+                                 sched=sched, engine=run.engine, pools=pools, state=state, cfg=cfg, git=logs.git_hash())
     if resume_from:
         checkpoint.load(resume_from, opt, sched, run.engine, pools, state, masters)
         state.run_id = run_id  # the checkpoint's own, or a new branch's

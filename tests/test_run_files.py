@@ -595,3 +595,18 @@ def test_a_full_tmpdir_is_named_as_tmpdir_not_out(tmp_path, monkeypatch):
                             f"with --resume auto once TMPDIR can be written)")
     assert outdir.list_checkpoints(str(out)) == ["step_000001"] and "step_000002.tmp" not in os.listdir(out)
     assert not [n for n in os.listdir(tmpdir) if n.startswith("ulorl_save_")]  # the private folder went too
+
+
+def test_an_index_naming_a_file_outside_the_checkpoint_is_refused(saved_run, tmp_path):
+    """model.safetensors.index.json's weight_map was joined to the folder by FSDP's loader: '../' read a file
+    outside it. Now the index may name only the folder's own .safetensors files."""
+    import model as model_lib
+    folder = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(saved_run, "step_000001"), folder)
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "model.safetensors"}}))
+    model_lib.check_files(str(folder))
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "../other/model.safetensors"}}))
+    with pytest.raises(ValueError, match=re.escape(f"{index} names ../other/model.safetensors, which is not a "
+                                                   f".safetensors file of {folder}")):
+        model_lib.check_files(str(folder))
