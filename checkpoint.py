@@ -13,9 +13,14 @@ in fp32 is ~0.7 TB over all ranks: minutes at a few GB/s). Everything is written
 fsynced, then renamed (a step saved again, on the engine-failure path, is swapped in with one
 renameat2(RENAME_EXCHANGE)): at every instant a complete checkpoint is there, the old or the new. Every file is
 written and read through an outdir.Folder (a held folder descriptor; no link followed, regular files of one
-link only), so a name swapped under --out while a save runs makes the save fail, never write elsewhere. Which
-checkpoint a run resumes, and the --out folder's lock, are outdir.py's.
+link only), so a name swapped under --out while a save runs makes the save fail, never write elsewhere. The
+run's folder is the one each rank opened at start (train.claim_out): no writer is given a path under --out.
+The safetensors shards and the index are written by write_safetensors into a HashingWriter (a file opened in
+the held folder), torch.save (each rank's optimizer shard, routing.pt) writes into one too, and what
+transformers' save_pretrained writes by path (config, tokenizer) goes to a private folder in TMPDIR and is
+copied in the same way. Which checkpoint a run resumes, and the --out folder's lock, are outdir.py's.
 """
+import contextlib
 import copy
 import errno
 import dataclasses
@@ -77,24 +82,23 @@ def write_manifest(folder: Folder, run_id: str, step: int, digests: dict[str, di
             os.fsync(f.fileno())
 
 
-def save(path: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, state: RunState, cfg,
+def save(out: Folder, name: str, lm, ref_lm, tokenizer, opt, sched, engine, pools: Pools, state: RunState, cfg,
          git: str = "unknown") -> None:
-    """Write checkpoint `path` (see the module docstring). Every trainer rank calls this: the weights are
-    gathered from the shards (rank 0 writes them) and each rank writes its own optimizer state. `cfg` is
-    config.py's Config; the newest --keep-last checkpoints in cfg.out are kept."""
+    """Write checkpoint `name` into `out`, the run's folder held since its start (see the module docstring).
+    Every trainer rank calls this, each with its own hold on the same folder: the weights are gathered from the
+    shards (rank 0 writes them) and each rank writes its own optimizer state. `cfg` is config.py's Config; the
+    newest --keep-last checkpoints of this run are kept."""
     lead = distributed.rank() == 0
-    name = os.path.basename(path)
-    with Folder.at(os.path.dirname(path) or ".") as out:
+    if lead:
+        if name + ".tmp" in out.names():
+            out.remove(name + ".tmp")
+        out.sub(name + ".tmp", create=True).close()
+    distributed.barrier()
+    with out.sub(name + ".tmp") as tmp:
+        _save_into(tmp, lm, ref_lm, tokenizer, opt, sched, engine, pools, state, cfg, git)
         if lead:
-            if name + ".tmp" in out.names():
-                out.remove(name + ".tmp")
-            out.sub(name + ".tmp", create=True).close()
-        distributed.barrier()
-        with out.sub(name + ".tmp") as tmp:
-            _save_into(tmp, lm, ref_lm, tokenizer, opt, sched, engine, pools, state, cfg, git)
-            if lead:
-                publish(out, tmp, name)
-                outdir.prune(out.path, cfg.keep_last, state.run_id)
+            publish(out, tmp, name)
+            outdir.prune(out, cfg.keep_last, state.run_id)
     distributed.barrier()
 
 
@@ -192,16 +196,17 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
     copies them into the module."""
     with Folder.at(os.path.dirname(path) or ".") as out, out.sub(os.path.basename(path)) as folder:
         with folder.open("ulorl_state.json", "r") as f:
-            saved = json.load(f)
+            try:
+                saved = json.load(f)
+            except (ValueError, RecursionError) as e:
+                raise ValueError(f"{os.path.join(path, 'ulorl_state.json')}: not JSON ({e})") from None
         if saved["world_size"] != distributed.world():
             raise ValueError(f"--resume {path}: saved by {saved['world_size']} trainer process(es), resumed "
                              f"with {distributed.world()}; run with --nproc-per-node {saved['world_size']}")
-        with folder.open(f"trainer_state_rank{distributed.rank()}.pt", "rb") as f:
-            trainer = torch.load(f, weights_only=True)
+        trainer = load_tensors(folder, f"trainer_state_rank{distributed.rank()}.pt")
         routes = None
         if distributed.rank() == 0 and "routing.pt" in folder.names():  # only rank 0 samples
-            with folder.open("routing.pt", "rb") as f:
-                routes = torch.load(f, weights_only=True)
+            routes = load_tensors(folder, "routing.pt")
     load_optimizer(opt, trainer["optimizer"])
     if trainer.get("masters") is not None:
         with torch.no_grad():
@@ -228,6 +233,17 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
     if routes is not None:
         for s in pooled(pools, state):
             s.routing = routes.get(s.uid)
+
+
+def load_tensors(folder: Folder, name: str):
+    """torch.load of `name` in `folder` as weights only: a pickle that would build anything else (run code) is
+    refused, naming the file, as is a file torch cannot read."""
+    with folder.open(name, "rb") as f:
+        try:
+            return torch.load(f, weights_only=True)
+        except Exception as e:  # pickle's UnpicklingError, torch's RuntimeError for a damaged archive, ...
+            raise ValueError(f"{os.path.join(folder.path, name)}: not a file of tensors that loads without running "
+                             f"code ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 # ------------------------------------------------------------------ HF-format weights with their digests
@@ -289,6 +305,15 @@ def write_safetensors(tensors: dict[str, torch.Tensor], f, metadata: dict | None
             f.write(t.contiguous().view(-1).view(torch.uint8).numpy())
 
 
+@contextlib.contextmanager
+def in_tmpdir():
+    """A refused write in the block is TMPDIR's (outdir.TmpdirError): a full TMPDIR is said as such, not as --out."""
+    try:
+        yield
+    except OSError as e:
+        raise outdir.TmpdirError(e.errno, e.strerror, tempfile.gettempdir()) from None
+
+
 def save_weights(lm, weights, tokenizer, dest: "Folder | str", max_shard_bytes: int = 5 << 30,
                  dtype: torch.dtype | None = None) -> dict[str, dict]:
     """An HF-format checkpoint written into `dest` (a Folder, or a path made if needed) as the (name, tensor) pairs
@@ -337,11 +362,14 @@ def save_weights(lm, weights, tokenizer, dest: "Folder | str", max_shard_bytes: 
         config.dtype = dtype
     # what the libraries write themselves (config, generation config, tokenizer) goes to a private folder first,
     # then into `dest` through HashingWriter: a library opens paths, and would follow a link planted in --out
-    with tempfile.TemporaryDirectory(prefix="ulorl_save_") as private:
-        config.save_pretrained(private)
-        if getattr(lm, "generation_config", None) is not None:
-            lm.generation_config.save_pretrained(private)
-        tokenizer.save_pretrained(private)
+    with in_tmpdir():
+        folder = tempfile.TemporaryDirectory(prefix="ulorl_save_")
+    with folder as private:
+        with in_tmpdir():
+            config.save_pretrained(private)
+            if getattr(lm, "generation_config", None) is not None:
+                lm.generation_config.save_pretrained(private)
+            tokenizer.save_pretrained(private)
         for name in sorted(os.listdir(private)):
             with open(os.path.join(private, name), "rb") as src, HashingWriter(dest, name) as f:
                 for block in iter(lambda: src.read(1 << 20), b""):

@@ -14,12 +14,15 @@ Bad rows are never skipped silently: a dataset that quietly loses half its rows 
 than the run says. Every error names the source, the row and the field.
 UloRL's data cleaning (section 3.4) is clean.py.
 """
+import ctypes
 import functools
 import json
 import math
 import os
 import random
 import sys
+import threading
+import time
 
 import verifiers
 import sandbox
@@ -310,8 +313,64 @@ def read_objects(source: str, split: str = "train", limit: int | None = None) ->
     return objs[:limit] if limit is not None else objs
 
 
+# A chat template is code from the model's folder (a checkpoint's, which whoever can write --out could plant),
+# run by jinja's sandbox, which keeps it from files and attributes but not from looping: nested range() loops
+# run for hours. Its rendering is bounded in time: a watchdog thread raises TemplateTimeout in the rendering
+# thread once TEMPLATE_SECONDS pass (an asynchronous exception, delivered between the template's Python
+# bytecodes, so a loop of any depth stops; SIGALRM would serve the main thread only, and --overlap draws prompts
+# in the rollout thread). Cost: 0.7 us a prompt, 0.07 s over 100k rows (measured; rendering the tiny template and
+# tokenizing it take ~35 us), and the watchdog's 10 wake-ups a second.
+TEMPLATE_SECONDS = 10.0
+
+
+class TemplateTimeout(Exception):
+    pass
+
+
+_deadlines: dict[int, float] = {}  # thread id -> when its rendering must end
+_watch_lock = threading.Lock()
+_watchdog: list[threading.Thread] = []
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(0.1)
+        with _watch_lock:
+            for thread, deadline in [*_deadlines.items()]:
+                if time.monotonic() > deadline:
+                    del _deadlines[thread]
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
+                                                               ctypes.py_object(TemplateTimeout))
+
+
+def bounded(render, seconds: float):
+    """render(), stopped with TemplateTimeout after `seconds` (its Python code, not a C call in it)."""
+    thread = threading.get_ident()
+    with _watch_lock:
+        if not _watchdog:
+            _watchdog.append(threading.Thread(target=_watch, name="template watchdog", daemon=True))
+            _watchdog[0].start()
+        _deadlines[thread] = time.monotonic() + seconds
+    try:
+        return render()
+    finally:
+        with _watch_lock:
+            fired = _deadlines.pop(thread, None) is None
+        if fired:  # raised, or still on its way: never to arrive after this call
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), None)
+
+
+def template_file(tokenizer) -> str:
+    """Where the tokenizer's chat template came from: the file in its folder, else its name."""
+    where = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+    found = [os.path.join(where, n) for n in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+             if os.path.isfile(os.path.join(where, n))]
+    return found[0] if found else f"the chat template of {where}"
+
+
 def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
-    """Token ids of the prompt as the model sees it, ending where the response begins."""
+    """Token ids of the prompt as the model sees it, ending where the response begins. A chat template that
+    fails, or runs past TEMPLATE_SECONDS, is an error naming its file."""
     if not tokenizer.chat_template:
         if not isinstance(prompt, str):
             raise ValueError("the tokenizer has no chat template, so chat-message prompts can't be rendered;"
@@ -319,7 +378,15 @@ def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
         return tokenizer(prompt).input_ids  # a base model: its tokenizer adds BOS if it wants one
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     check_messages(messages, "encode_prompt")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        text = bounded(lambda: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                       TEMPLATE_SECONDS)
+    except TemplateTimeout:
+        raise ValueError(f"{template_file(tokenizer)}: its chat template ran over {TEMPLATE_SECONDS:g} s on one "
+                         f"prompt (a template that loops); refused") from None
+    except Exception as e:  # the template's own error (jinja's, raise_exception's): the file that holds it
+        raise ValueError(f"{template_file(tokenizer)}: its chat template failed ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
     # the template already wrote any BOS; letting the tokenizer add its own would double it
     return tokenizer(text, add_special_tokens=False).input_ids
 

@@ -41,12 +41,12 @@ def open_for_append(folder: Folder, name: str, resumed_step: int | None):
 
 
 class RunLog:
-    """Rank 0's records of a run in `cfg.out` (config.py's `Config`)."""
+    """Rank 0's records of a run in `out`, its --out held since the start (config.py's `Config` `cfg`).
+    --report-to's libraries open their folders (tb/, wandb/) by path: theirs, not the run's own files."""
 
-    def __init__(self, cfg, resumed_step: int | None):
-        with Folder.at(cfg.out) as out:
-            self.metrics = open_for_append(out, "metrics.jsonl", resumed_step)
-            self.samples = open_for_append(out, "samples.jsonl", resumed_step)
+    def __init__(self, cfg, out: Folder, resumed_step: int | None):
+        self.metrics = open_for_append(out, "metrics.jsonl", resumed_step)
+        self.samples = open_for_append(out, "samples.jsonl", resumed_step)
         self.first = {} if resumed_step is not None else {"git": git_hash(), "config": dataclasses.asdict(cfg)}
         self.tb = self.wandb = None
         targets = set(cfg.report_to.split(","))

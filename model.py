@@ -4,13 +4,17 @@ micro-batch layout (`MicroBatch`, `micro_batches`, `collate`) and the forward pa
 files of their own (`wrap`): seqpar.py (sequence parallelism, packed attention), routing.py (MoE routing replay),
 distributed.py (FSDP2/DDP).
 """
+import functools
 import itertools
+import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+import data
 import distributed
 import loss
 import routing
@@ -46,15 +50,18 @@ def load_config(name_or_path: str, rope_scaling_factor: float = 0.0, rope_origin
     with the YaRN flags applied (yarn_overrides) and a Mixture-of-Experts model's router auxiliary loss off
     (output_router_logits False): RL's loss is the policy's alone, and the trainer's forward
     (response_logprobs) runs the decoder without it."""
-    tokenizer = hub_files(name_or_path, AutoTokenizer.from_pretrained)
+    if os.path.isdir(os.path.expanduser(name_or_path)):
+        check_files(os.path.expanduser(name_or_path))
+    tokenizer = hub_files(name_or_path, functools.partial(AutoTokenizer.from_pretrained, trust_remote_code=False))
     if tokenizer.pad_token_id is None:  # base models often lack one; it is only used as padding here
         tokenizer.pad_token = tokenizer.eos_token
+    check_template(tokenizer)
     return tokenizer, model_config(name_or_path, rope_scaling_factor, rope_original_max_positions)
 
 
 def model_config(name_or_path: str, rope_scaling_factor: float = 0.0, rope_original_max_positions: int = 0):
     """The config.json alone (what train.py --plan reads), with load_config's YaRN and router settings."""
-    config = hub_files(name_or_path, AutoConfig.from_pretrained)
+    config = hub_files(name_or_path, functools.partial(AutoConfig.from_pretrained, trust_remote_code=False))
     for key, value in yarn_overrides(config, rope_scaling_factor, rope_original_max_positions).items():
         setattr(config, key, value)  # what vLLM does with hf_overrides
     if hasattr(config, "output_router_logits"):
@@ -80,11 +87,106 @@ def load(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradien
     """(model, tokenizer), the whole model in this process (one process, DDP, the engine's copy): a hub name
     or a local directory (load_config), weights from safetensors only (no pickle)."""
     tokenizer, config = load_config(name_or_path, rope_scaling_factor, rope_original_max_positions)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=DTYPES[dtype],
-                                                 use_safetensors=True, attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=DTYPES[dtype], use_safetensors=True,
+                                                 attn_implementation=attn_implementation, trust_remote_code=False)
     if gradient_checkpointing:  # recompute each decoder layer in the backward (non-reentrant checkpoint)
         model.gradient_checkpointing_enable()
     return model.to(device), tokenizer
+
+
+# ------------------------------------------------------------------ a model's folder, before a library reads it
+# A checkpoint in --out (or a --model folder) may hold what whoever can write there put in it, with a manifest
+# made to match. What the libraries would run or read out of bounds is refused first, naming the file: code
+# (auto_map: never trust_remote_code), a safetensors header whose tensors do not tile the file (the library
+# fails with a traceback), an index naming files outside the folder, a chat template that reads other templates
+# or loops (data.encode_prompt bounds every rendering in time; a probe renders one at load). Pickles are never
+# loaded: weights from safetensors only, torch.load with weights_only (checkpoint.load).
+
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
+                     "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+
+
+def check_files(path: str) -> None:
+    """A model's folder (a checkpoint, or --model PATH) as the libraries will read it: refused with one line
+    naming the file (see above)."""
+    for name in ("config.json", "tokenizer_config.json"):
+        if os.path.isfile(file := os.path.join(path, name)):
+            try:
+                with open(file, "rb") as f:
+                    found = json.loads(f.read(MAX_HEADER_BYTES))
+            except (OSError, ValueError, RecursionError) as e:
+                raise ValueError(f"{file}: not a JSON object ({type(e).__name__}: {e})") from None
+            if isinstance(found, dict) and "auto_map" in found:
+                raise ValueError(f"{file} names code of its own to run (auto_map): ulorl never runs a model "
+                                 f"folder's code; a model transformers has needs no auto_map")
+    index = os.path.join(path, "model.safetensors.index.json")
+    shards = {n for n in os.listdir(path) if n.endswith(".safetensors")}
+    if os.path.isfile(index):
+        try:
+            with open(index, "rb") as f:
+                named = set(json.loads(f.read(MAX_HEADER_BYTES))["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise ValueError(f"{index}: no weight_map ({type(e).__name__}: {e})") from None
+        if outside := sorted(str(n) for n in named - shards):
+            raise ValueError(f"{index} names {outside[0]}, which is not a .safetensors file of {path}")
+    for name in sorted(shards):
+        if why := safetensors_problem(os.path.join(path, name)):
+            raise ValueError(f"{os.path.join(path, name)}: {why}")
+
+
+def safetensors_problem(path: str) -> str | None:
+    """Why a .safetensors file's header does not describe its bytes, or None: an 8-byte header size within the
+    file (and safetensors' limit), a JSON header whose tensors each span their shape's bytes, one after another
+    from the start of the data to its end."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        n = int.from_bytes(f.read(8), "little")
+        if size < 8 or n > min(MAX_HEADER_BYTES, size - 8):
+            return f"its header size ({n} bytes) does not fit the file ({size} bytes)"
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError) as e:
+            return f"its header is not JSON ({type(e).__name__})"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    spans = []
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            (begin, end), shape, itemsize = t["data_offsets"], t["shape"], SAFETENSORS_BYTES[t["dtype"]]
+            if not all(type(x) is int and x >= 0 for x in [begin, end, *shape]):
+                raise TypeError
+        except (KeyError, TypeError, ValueError):
+            return f"tensor {name!r} has no dtype, shape and data_offsets as safetensors writes them"
+        if end - begin != math.prod(shape) * itemsize:
+            return (f"tensor {name!r} ({t['dtype']} {shape}) spans {end - begin} bytes, not "
+                    f"{math.prod(shape) * itemsize}")
+        spans.append((begin, end, name))
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            return f"tensor {name!r} starts at byte {begin} of the data, where {at} was due"
+        at = end
+    return None if at == size - 8 - n else f"its tensors span {at} bytes of data, the file holds {size - 8 - n}"
+
+
+def check_template(tokenizer) -> None:
+    """A chat template that would read other templates (include, import, extends) is refused, naming its file;
+    one probe prompt renders within data.TEMPLATE_SECONDS, so a template that loops stops the run at load."""
+    import jinja2
+    from jinja2 import nodes
+    templates = tokenizer.chat_template
+    for source in (templates.values() if isinstance(templates, dict) else [templates] if templates else []):
+        try:
+            tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+        except jinja2.TemplateError:  # a tag of transformers' own environment: the probe renders it there
+            continue
+        if next(tree.find_all((nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)), None):
+            raise ValueError(f"{data.template_file(tokenizer)}: its chat template reads other templates (include, "
+                             f"import or extends); a model's template is one self-contained text")
+    data.encode_prompt(tokenizer, "1+1=" if not templates else [{"role": "user", "content": "1+1="}])
 
 
 # ------------------------------------------------------------------------------------ micro-batches

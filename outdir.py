@@ -8,6 +8,7 @@ checkpoint whose files all match the sizes and sha256 digests in its manifest.js
 reached through a `Folder` (a held directory descriptor, no link followed, regular files of one link only), and a
 refused write (full disk, read-only --out) is reported with what is safe.
 """
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -175,24 +176,33 @@ def file_digest(f) -> str:
     return h.hexdigest()
 
 
-def lock_out(out: str):
-    """Take --out for this run: an exclusive, non-blocking flock on out/.lock, held while the returned file is
-    open (the process's life; the kernel drops it when the process dies, even by SIGKILL). A folder that
-    another live run holds is refused, naming that run's pid and host."""
+def open_out(out: str) -> Folder:
+    """--out (made if needed), held open: the folder claimed at start, which every write of the run goes
+    through by its descriptor, so renaming or replacing --out or a folder above it mid-run cannot redirect a
+    write (they land in the folder held, under whatever name it has now)."""
     try:
         os.makedirs(out, exist_ok=True)
-        with Folder.at(out) as folder:
-            f = folder.open(".lock", "a+")
+        return Folder.at(out)
     except OSError as e:
         raise ValueError(f"--out {out}: cannot write there ({e.strerror})") from None
+
+
+def lock_out(folder: Folder):
+    """Take --out (`folder`) for this run: an exclusive, non-blocking flock on its .lock, held while the returned
+    file is open (the process's life; the kernel drops it when the process dies, even by SIGKILL). A folder
+    that another live run holds is refused, naming that run's pid and host."""
+    try:
+        f = folder.open(".lock", "a+")
+    except OSError as e:
+        raise ValueError(f"--out {folder.path}: cannot write there ({e.strerror})") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
         holder = f.read().strip() or "a process that did not say which"
         f.close()
-        raise ValueError(f"--out {out} is in use by another run ({holder}); two runs in one folder would mix "
-                         f"their records and checkpoints: wait for it to end, or choose another --out") from None
+        raise ValueError(f"--out {folder.path} is in use by another run ({holder}); two runs in one folder would "
+                         f"mix their records and checkpoints: wait for it to end, or choose another --out") from None
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -203,45 +213,59 @@ def lock_out(out: str):
 WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
 
-def write_error(e: OSError, what: str, out: str) -> ValueError | None:
+class TmpdirError(OSError):
+    """A write to TMPDIR (where a library writes what is then copied into --out) refused: its filename is TMPDIR."""
+
+
+def write_error(e: OSError, what: str, out: Folder) -> ValueError | None:
     """A user's error, not a traceback, for a write that the machine refused (full disk, quota, read-only or
-    forbidden --out): what failed, and what is safe. None for any other error."""
+    forbidden --out, or TMPDIR): what failed, where, and what is safe. None for any other error."""
     if e.errno not in WRITE_ERRORS:
         return None
+    where = "TMPDIR" if isinstance(e, TmpdirError) else "--out"
     published = list_checkpoints(out)  # complete by construction: publish() renames only finished ones
     safe = (f"the checkpoints before it are intact (the newest, {published[-1]}, resumes with --resume auto "
-            f"once --out can be written)" if published else "no checkpoint of this run was complete yet")
-    return ValueError(f"{what}: {e.strerror} ({e.filename or out}); {safe}")
+            f"once {where} can be written)" if published else "no checkpoint of this run was complete yet")
+    return ValueError(f"{what}: {e.strerror} ({where + ' ' if where == 'TMPDIR' else ''}{e.filename or out.path}); "
+                      f"{safe}")
 
 
-def prune(out: str, keep_last: int, run_id: str) -> list[str]:
+def prune(out: Folder, keep_last: int, run_id: str) -> list[str]:
     """Delete all but the newest `keep_last` checkpoints (0: keep all) of run `run_id` in `out`, never one
     another run wrote. Returns the names deleted."""
-    mine = [name for name in list_checkpoints(out) if read_manifest(os.path.join(out, name)).get("run") == run_id]
+    mine = [name for name in list_checkpoints(out) if manifest_in(out, name).get("run") == run_id]
     gone = mine[:-keep_last] if keep_last > 0 else []
-    with Folder.at(out) as folder:
-        for name in gone:
-            folder.remove(name)
+    for name in gone:
+        out.remove(name)
     return gone
 
 
 CHECKPOINT = re.compile(r"step_(\d+)")
 
 
-def list_checkpoints(out: str) -> list[str]:
-    """step_N folders in `out`, oldest first by N (step_1000000 after step_999999), unfinished `.tmp` writes
-    excluded."""
-    if not os.path.isdir(out):
+def list_checkpoints(out: "Folder | str") -> list[str]:
+    """step_N folders in `out` (a held Folder, or a path), oldest first by N (step_1000000 after step_999999),
+    unfinished `.tmp` writes excluded."""
+    if isinstance(out, str) and not os.path.isdir(out):
         return []
-    steps = [(int(m.group(1)), name) for name in os.listdir(out) if (m := CHECKPOINT.fullmatch(name))]
+    names = out.names() if isinstance(out, Folder) else os.listdir(out)
+    steps = [(int(m.group(1)), name) for name in names if (m := CHECKPOINT.fullmatch(name))]
     return [name for _, name in sorted(steps)]
 
 
 def read_manifest(path: str) -> dict:
     """A checkpoint's manifest, {} when it has none that parses."""
     try:
-        with Folder.at(os.path.dirname(path) or ".") as parent, parent.sub(os.path.basename(path)) as folder, \
-                folder.open("manifest.json", "rb") as f:
+        with Folder.at(os.path.dirname(path) or ".") as parent:
+            return manifest_in(parent, os.path.basename(path))
+    except OSError:
+        return {}
+
+
+def manifest_in(out: Folder, name: str) -> dict:
+    """The manifest of checkpoint `name` in `out`, {} when it has none that parses."""
+    try:
+        with out.sub(name) as folder, folder.open("manifest.json", "rb") as f:
             found = json.loads(f.read(MANIFEST_BYTES))
         return found if isinstance(found, dict) else {}
     except (OSError, ValueError, RecursionError):
@@ -334,7 +358,8 @@ def find_resume(resume: str, out: str, overwrite: bool = False) -> str | None:
     that holds a run is never written over unless --resume continues it or --overwrite says so; --resume auto
     takes the newest checkpoint that passes its manifest check (those skipped are named), starts fresh in a
     folder holding no run, and stops, listing what it found and why each was rejected, when nothing of a run
-    there can be resumed. Read-only: --overwrite's deletion is clear_run()'s."""
+    there can be resumed; a checkpoint whose manifest names a run runs.json does not list (copied in from
+    another --out) stops it too. Read-only: --overwrite's deletion is clear_run()'s."""
     refuse_links(out)
     held = run_files(out)
     if overwrite:
@@ -353,8 +378,12 @@ def find_resume(resume: str, out: str, overwrite: bool = False) -> str | None:
             raise ValueError(f"--resume {resume} writes into --out {out}, which holds another run ({', '.join(held[:5])}"
                              f"): choose an empty --out, or --out {os.path.dirname(os.path.abspath(resume))}")
         return resume
-    rejected = []
+    rejected, runs = [], runs_of(out)
     for name in reversed(list_checkpoints(out)):
+        if (manifest := read_manifest(os.path.join(out, name))) and (owner := manifest.get("run")) not in runs:
+            raise ValueError(f"--resume auto: {os.path.join(out, name)} was written by run {owner!r}, not by a run of "
+                             f"this --out ({os.path.join(out, RUNS)} lists {', '.join(runs) or 'none'}): a checkpoint "
+                             f"copied in from another --out is not continued; remove it, or resume it by name")
         why = problem(os.path.join(out, name))
         if why is None:
             for skipped, reason in rejected:
@@ -369,10 +398,63 @@ def find_resume(resume: str, out: str, overwrite: bool = False) -> str | None:
                      "\nstart the run again with --overwrite (deletes them), or choose another --out")
 
 
-def clear_run(out: str) -> list[str]:
+RUNS = "runs.json"  # the run ids this --out has started, oldest first: the checkpoints --resume auto may take
+
+
+def runs_of(out: "Folder | str") -> list[str]:
+    """The run ids --out's runs.json lists ([] without one: a new folder)."""
+    try:
+        with (contextlib.nullcontext(out) if isinstance(out, Folder) else Folder.at(out)) as folder, \
+                folder.open(RUNS, "rb") as f:
+            runs = json.loads(f.read(MANIFEST_BYTES))["runs"]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise ValueError(f"{os.path.join(out if isinstance(out, str) else out.path, RUNS)} is not the list of runs "
+                         f"a run writes ({type(e).__name__}: {e}); remove it to start afresh") from None
+    if not isinstance(runs, list) or not all(isinstance(r, str) for r in runs):
+        raise ValueError(f"{os.path.join(out if isinstance(out, str) else out.path, RUNS)}: 'runs' is not a list of "
+                         f"run ids; remove it to start afresh")
+    return runs
+
+
+def begin_run(out: Folder, resume_from: str | None, new_id: str) -> str:
+    """The id this run writes its checkpoints under, added to runs.json (rank 0, holding the lock). Resuming the
+    newest checkpoint of --out continues its run (its id); resuming an older one starts a new branch (`new_id`),
+    and the checkpoints newer than it move aside, to `aside-<new_id>/` in --out (kept, said where): left in
+    place, their step names would be written over, and --resume auto would continue the abandoned branch. A
+    fresh run, or one resumed from another folder, is new too."""
+    run_id, here = new_id, None
+    if resume_from:
+        parent = os.stat(os.path.dirname(os.path.abspath(resume_from)))
+        held = os.fstat(out.fd)
+        here = os.path.basename(resume_from) if (parent.st_dev, parent.st_ino) == (held.st_dev, held.st_ino) else None
+    if here:
+        saved = manifest_in(out, here)
+        newer = [n for n in list_checkpoints(out) if int(CHECKPOINT.fullmatch(n).group(1)) > saved.get("step", 0)]
+        if not newer:
+            run_id = saved.get("run") or new_id
+        else:
+            aside = f"aside-{new_id}"
+            out.sub(aside, create=True).close()
+            for name in newer:
+                out.replace(name, os.path.join(aside, name))
+            print(f"--resume {resume_from} is not the newest checkpoint of --out: this run is a new branch, run id "
+                  f"{new_id}; the newer checkpoints ({', '.join(newer)}) moved to {os.path.join(out.path, aside)}/",
+                  flush=True)
+    runs = runs_of(out)
+    if run_id not in runs:
+        with out.open(RUNS + ".tmp", "w") as f:
+            json.dump({"runs": runs + [run_id]}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        out.replace(RUNS + ".tmp", RUNS)
+    return run_id
+
+
+def clear_run(out: Folder) -> list[str]:
     """--overwrite: delete the run held in `out` (run_files); returns what was deleted."""
-    held = run_files(out)
-    with Folder.at(out) as folder:
-        for name in held:
-            folder.remove(name)
+    held = run_files(out.path)
+    for name in held:
+        out.remove(name)
     return held

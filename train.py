@@ -20,6 +20,7 @@ import functools
 import os
 import random
 import signal
+import socket
 import sys
 import time
 
@@ -167,15 +168,18 @@ def startup_metrics(load_peak_mib: float, plan: plan_lib.Plan) -> dict:
     return out
 
 
-def save_checkpoint(path: str, **kw) -> None:
-    """checkpoint.save, with a refused write (full disk, read-only --out) reported as what it is: the
-    unfinished step_N.tmp is removed, and the message says what is safe."""
+def save_checkpoint(name: str, **kw) -> None:
+    """checkpoint.save into the run's folder (`out`, held since the start), with a refused write (full disk,
+    read-only --out) reported as what it is: the unfinished step_N.tmp is removed, and the message says what is
+    safe."""
+    out = kw["out"]
     try:
-        checkpoint.save(path, **kw)
+        checkpoint.save(name=name, **kw)
     except OSError as e:
-        with contextlib.suppress(OSError, ValueError), outdir.Folder.at(kw["cfg"].out) as out:
-            out.remove(os.path.basename(path) + ".tmp")
-        if (error := outdir.write_error(e, f"could not write checkpoint {path}", kw["cfg"].out)) is None:
+        with contextlib.suppress(OSError, ValueError):
+            out.remove(name + ".tmp")
+        path = os.path.join(out.path, name)
+        if (error := outdir.write_error(e, f"could not write checkpoint {path}", out)) is None:
             raise
         raise error from None
 
@@ -203,8 +207,9 @@ class Run:
     judge: reward.Judge | None = None
     eval_rows: list = dataclasses.field(default_factory=list)
     log: logs.RunLog | None = None
+    out: outdir.Folder | None = None  # --out, held since the start: every write of the run goes through it
     out_lock: object = None
-    save: object = None  # save(path): a checkpoint of everything
+    save: object = None  # save(name): the checkpoint `name` of everything, in `out`
     startup: dict = dataclasses.field(default_factory=dict)  # logged once, with the first record
 
     def reset_reference(self) -> None:  # ProRL: reference <- policy, fresh AdamW moments
@@ -217,15 +222,39 @@ class Run:
         return placement.memory_peaks(self.cfg, self.host_before)
 
 
-def claim_out(cfg: Config, lead: bool) -> tuple[str | None, object]:
-    """--out before anything loads: the checkpoint --resume names (None: a fresh run) and rank 0's lock, one run
-    per --out until this process ends; --overwrite clears the old run first."""
+def claim_out(cfg: Config, lead: bool) -> tuple[str | None, outdir.Folder, object, str]:
+    """--out before anything loads: the checkpoint --resume names (None: a fresh run), the folder held open for
+    the run's life (every rank's own hold, each checked to be rank 0's folder), rank 0's lock, one run per
+    --out until this process ends, and the run's id (outdir.begin_run: a resumed older checkpoint starts a new
+    branch); --overwrite clears the old run first."""
     resume_from = outdir.find_resume(cfg.resume, cfg.out, cfg.overwrite)
-    out_lock = outdir.lock_out(cfg.out) if lead else None
-    if lead and cfg.overwrite and (gone := outdir.clear_run(cfg.out)):
-        print(f"--overwrite: deleted {', '.join(gone)} from {cfg.out}", flush=True)
+    out = out_lock = run_id = None
+    if lead:
+        out = outdir.open_out(cfg.out)
+        out_lock = outdir.lock_out(out)
+        if cfg.overwrite and (gone := outdir.clear_run(out)):
+            print(f"--overwrite: deleted {', '.join(gone)} from {cfg.out}", flush=True)
+        new_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"  # unique in one process too
+        run_id = outdir.begin_run(out, resume_from, new_id)
     distributed.barrier()
-    return resume_from, out_lock
+    out = out or outdir.Folder.at(cfg.out)  # made by rank 0
+    same_folder(out, distributed.gather_objects(folder_identity(out)))
+    return resume_from, out, out_lock, distributed.broadcast(run_id)
+
+
+def folder_identity(out: outdir.Folder) -> tuple[str, int, int]:
+    st = os.fstat(out.fd)
+    return socket.gethostname(), st.st_dev, st.st_ino
+
+
+def same_folder(out: outdir.Folder, ranks: list[tuple[str, int, int]]) -> None:
+    """Every rank's --out is rank 0's folder: on rank 0's machine the same device and inode, on another (a shared
+    file system, another device number there) the same inode. `ranks`: folder_identity of each rank."""
+    host, dev, ino = ranks[0]
+    for r, (h, d, i) in enumerate(ranks):
+        if i != ino or (h == host and d != dev):
+            raise ValueError(f"--out {out.path} is not the same folder on rank {r} ({h}) as on rank 0 ({host}): "
+                             f"every rank writes its optimizer state into rank 0's --out; give them one folder")
 
 
 def set_up(cfg: Config) -> Run | None:
@@ -234,7 +263,7 @@ def set_up(cfg: Config) -> Run | None:
     rank, world, lead, threads, plan, engine_mem = placement.start(cfg)
     if plan is None:
         return None
-    resume_from, out_lock = claim_out(cfg, lead)
+    resume_from, out, out_lock, run_id = claim_out(cfg, lead)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed + rank)
     rows, eval_rows = load_data(cfg, lead)  # data before models: a bad row stops the run at once
@@ -245,26 +274,27 @@ def set_up(cfg: Config) -> Run | None:
     opt = torch.optim.AdamW(masters.parameters() if masters else policy.parameters(), lr=cfg.lr,
                             weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(ulorl.lr_factor, cfg=cfg))
-    state = RunState(run_id=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    state = RunState(run_id=run_id)
     ranks = distributed.Ranks(policy, masters, seqpar.sp_size())
     run = Run(cfg, world, lead, threads, policy, ref, lm, ref_lm, tokenizer, masters, ranks, opt, sched, state, host_before,
-              eval_rows=eval_rows, out_lock=out_lock, startup=startup_metrics(load_peak, plan))
+              eval_rows=eval_rows, out=out, out_lock=out_lock, startup=startup_metrics(load_peak, plan))
     pools = Pools()
     if lead:
         run.engine = placement.rollout_engine(cfg, lm, tokenizer, resume_from or cfg.model, world, engine_mem)
         if cfg.verifier_model and cfg.verifier_mode != "off":
             run.judge = eval_lib.load_judge(cfg.verifier_model, cfg.verifier_mode, cfg.verifier_max_tokens,
                                             cfg.dtype, cfg.device, cfg.seed)
-    run.save = functools.partial(save_checkpoint, lm=lm, ref_lm=ref_lm, tokenizer=tokenizer, opt=opt, sched=sched,
-                                 engine=run.engine, pools=pools, state=state, cfg=cfg, git=logs.git_hash())
+    run.save = functools.partial(save_checkpoint, out=out, lm=lm, ref_lm=ref_lm, tokenizer=tokenizer, opt=opt,
+                                 sched=sched, engine=run.engine, pools=pools, state=state, cfg=cfg, git=logs.git_hash())
     if resume_from:
         checkpoint.load(resume_from, opt, sched, run.engine, pools, state, masters)
+        state.run_id = run_id  # the checkpoint's own, or a new branch's
     if lead:
         sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
         run.rollouts = Rollouts(run.engine, pools, rows, state, tokenizer, sampling, cfg, run.judge)
         if resume_from:
-            print(f"resumed from {resume_from} at step {state.step}", flush=True)
-        run.log = logs.RunLog(cfg, state.step if resume_from else None)
+            print(f"resumed from {resume_from} at step {state.step} (run id {run_id})", flush=True)
+        run.log = logs.RunLog(cfg, out, state.step if resume_from else None)
         if state.step == 0 and eval_rows:
             run.log.record({**evaluate_before_training(run.engine, tokenizer, eval_rows, cfg, run.judge, state),
                             **run.startup})
@@ -280,7 +310,7 @@ def next_batch(run: Run):
         return run.rollouts.next()
     except EngineFailure:
         if run.world == 1:
-            run.save(os.path.join(run.cfg.out, f"step_{run.state.step:06d}"))
+            run.save(f"step_{run.state.step:06d}")
         raise
 
 
@@ -353,7 +383,7 @@ def main(cfg: Config) -> None:
         finish_step(run, step, batch, record, t_roll, t0, step_times)
         stop_now = stop_now or (stop[0] if run.world == 1 and stop else "")
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop_now:
-            run.save(os.path.join(cfg.out, f"step_{step:06d}"))
+            run.save(f"step_{step:06d}")
         if stop_now:
             if lead:
                 print(f"stopped by {stop_now} after step {step}; checkpoint saved (resume with --resume auto)",
@@ -362,6 +392,7 @@ def main(cfg: Config) -> None:
     if lead:
         run.log.close()
         run.out_lock.close()
+    run.out.close()
     if run.world > 1:
         dist.destroy_process_group()
 

@@ -54,6 +54,7 @@ def setup(args: list[str], out):
         finally:
             run.log.close()
             run.out_lock.close()
+            run.out.close()
 
 
 def train_run(args: list[str], out) -> str:

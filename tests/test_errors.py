@@ -118,7 +118,7 @@ def test_overwrite_starts_again_and_says_what_it_deleted(first_run, tmp_path):
     p = run_train(*RUN, "--steps", "1", "--out", str(out), "--overwrite", "true")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "--overwrite: deleted metrics.jsonl, samples.jsonl, step_000001, step_000002" in p.stdout
-    assert sorted(os.listdir(out)) == [".lock", "metrics.jsonl", "samples.jsonl", "step_000001"]
+    assert sorted(os.listdir(out)) == [".lock", "metrics.jsonl", "runs.json", "samples.jsonl", "step_000001"]
     with open(out / "metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == [0, 1]
 
@@ -163,9 +163,11 @@ def test_keep_last_prunes_only_this_runs_checkpoints(tmp_path):
         os.makedirs(tmp_path / f"step_{step:06d}")
         (tmp_path / f"step_{step:06d}" / "manifest.json").write_text(json.dumps({"run": owner, "step": step, "files": {}}))
     os.makedirs(tmp_path / "step_000006")  # no manifest: nobody's
-    assert outdir.prune(str(tmp_path), 2, "me") == ["step_000003"]
-    assert sorted(os.listdir(tmp_path)) == ["step_000001", "step_000002", "step_000004", "step_000005", "step_000006"]
-    assert outdir.prune(str(tmp_path), 0, "me") == []
+    with outdir.Folder.at(str(tmp_path)) as out:
+        assert outdir.prune(out, 2, "me") == ["step_000003"]
+        assert sorted(os.listdir(tmp_path)) == ["step_000001", "step_000002", "step_000004", "step_000005",
+                                                "step_000006"]
+        assert outdir.prune(out, 0, "me") == []
 
 
 # ----------------------------------------------------------------------------- sampling and records

@@ -209,7 +209,8 @@ def test_a_checkpoint_gives_back_every_part_of_the_state_it_saved(tmp_path):
              "sched": sched.state_dict(), "engine": engine.rng_state(), "torch": torch.get_rng_state(),
              "python": random.getstate()}
     cfg = config.parse_config(["--out", str(tmp_path), "--eval-data", ""])
-    checkpoint.save(str(tmp_path / "step_000003"), lm, None, tok, opt, sched, engine, pools, state, cfg)
+    with outdir.Folder.at(str(tmp_path)) as out:
+        checkpoint.save(out, "step_000003", lm, None, tok, opt, sched, engine, pools, state, cfg)
 
     torch.manual_seed(99)
     random.seed(99)

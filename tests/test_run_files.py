@@ -152,7 +152,8 @@ def test_a_second_run_on_the_same_out_is_refused(tmp_path):
         first.wait()
     finally:
         kill_group(first)
-    outdir.lock_out(str(out)).close()  # the kernel released the dead run's lock
+    with outdir.Folder.at(str(out)) as folder:
+        outdir.lock_out(folder).close()  # the kernel released the dead run's lock
 
 
 def in_a_small_mount(tmp_path, options: str, *args, keep=None):
@@ -338,6 +339,274 @@ def test_checkpoints_are_ordered_by_step_number(tmp_path):
     out = str(tmp_path)
     for name in ("step_999999", "step_1000000"):
         fake_checkpoint(os.path.join(out, name))
+    (tmp_path / outdir.RUNS).write_text('{"runs": ["run-1"]}')
     assert outdir.list_checkpoints(out) == ["step_999999", "step_1000000"]
     assert outdir.find_resume("auto", out) == os.path.join(out, "step_1000000")
-    assert outdir.prune(out, 1, "run-1") == ["step_999999"] and os.path.isdir(os.path.join(out, "step_1000000"))
+    with outdir.Folder.at(out) as folder:
+        assert outdir.prune(folder, 1, "run-1") == ["step_999999"]
+    assert os.path.isdir(os.path.join(out, "step_1000000"))
+
+
+# ------------------------------------------------------------------------ the run's folder, held from the start
+
+TINY = ["--steps", "3", "--save-every", "1", "--keep-last", "0", "--eval-data", "", "--train-groups", "1",
+        "--prompts-per-step", "2", "--group-size", "2", "--max-response-len", "8", "--segments", "1",
+        "--dump-samples", "2"]
+
+
+@pytest.mark.parametrize("renamed", ["out", "parent"])
+def test_renaming_out_or_a_parent_mid_run_redirects_nothing(tmp_path, monkeypatch, renamed):
+    """In this process: --out (or the folder above it) renamed after the first checkpoint, and a new folder made
+    under the old name. Later checkpoints and records were written by name, into the new folder; now every one
+    lands in the folder claimed at start, under its new name, and nothing appears under the old one."""
+    import harness
+    out = tmp_path / "parent" / "run"
+    moved = {"out": tmp_path / "parent" / "moved", "parent": tmp_path / "moved" / "run"}[renamed]
+    real_save = checkpoint.save
+
+    def save_then_rename(**kw):
+        real_save(**kw)
+        if kw["name"] == "step_000001":
+            os.rename(out, moved) if renamed == "out" else os.rename(out.parent, moved.parent)
+            out.mkdir(parents=True)  # another folder takes the old name
+    monkeypatch.setattr(checkpoint, "save", save_then_rename)
+    harness.train_run(TINY, out)
+    assert os.listdir(out) == []
+    assert outdir.list_checkpoints(str(moved)) == ["step_000001", "step_000002", "step_000003"]
+    assert all(outdir.problem(str(moved / f"step_00000{i}")) is None for i in (1, 2, 3))
+    assert [r["step"] for r in harness.records(moved)] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in open(moved / "samples.jsonl")] == [1, 1, 2, 2, 3, 3]
+
+
+def test_every_rank_must_hold_rank_0s_folder(tmp_path):
+    """Each trainer rank opens --out itself and writes its optimizer state there: a rank whose --out is another
+    folder (another working directory, a link changed between the ranks' starts) is refused, naming it."""
+    import train
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with outdir.Folder.at(str(tmp_path / "a")) as a, outdir.Folder.at(str(tmp_path / "b")) as b:
+        same = train.folder_identity(a)
+        train.same_folder(a, [same, same])
+        other_host = ("node-2", same[1] + 1, same[2])  # a shared file system: another device number there
+        train.same_folder(a, [same, other_host])
+        for wrong in (train.folder_identity(b), ("node-2", same[1], train.folder_identity(b)[2])):
+            with pytest.raises(ValueError, match=f"--out {a.path} is not the same folder on rank 1"):
+                train.same_folder(a, [same, wrong])
+
+
+def manifest_run(path) -> str:
+    return outdir.read_manifest(str(path))["run"]
+
+
+def test_resuming_an_older_checkpoint_starts_a_branch_and_auto_continues_the_newest(tmp_path, capsys):
+    """In this process: a run of 4 steps resumed from step 2 with --keep-last 1. That resume kept the run id,
+    so its prune deleted the step-3 checkpoint it had just written (the first run's step 4 was newer), and
+    --resume auto continued the abandoned branch. Now it is a new run id, said at start; the first run's steps
+    3-4 move aside (kept, named), the prune keeps what it wrote, and --resume auto continues it, keeping its id."""
+    import harness
+    out = tmp_path / "run"
+    harness.train_run([*TINY, "--steps", "4"], out)
+    first = manifest_run(out / "step_000004")
+    assert outdir.runs_of(str(out)) == [first]
+    capsys.readouterr()
+    harness.train_run([*TINY, "--keep-last", "1", "--resume", str(out / "step_000002")], out)
+    said = capsys.readouterr().out
+    branch = outdir.runs_of(str(out))[1]
+    assert outdir.runs_of(str(out)) == [first, branch] and branch != first
+    aside = out / f"aside-{branch}"
+    assert f"this run is a new branch, run id {branch}; the newer checkpoints (step_000003, step_000004) moved to " \
+           f"{aside}/" in said
+    assert outdir.list_checkpoints(str(aside)) == ["step_000003", "step_000004"]
+    assert all(manifest_run(aside / n) == first and outdir.problem(str(aside / n)) is None for n in os.listdir(aside))
+    assert outdir.list_checkpoints(str(out)) == ["step_000001", "step_000002", "step_000003"]
+    assert [manifest_run(out / f"step_00000{i}") for i in (1, 2, 3)] == [first, first, branch]
+    assert outdir.find_resume("auto", str(out)) == str(out / "step_000003")
+    harness.train_run([*TINY, "--steps", "4", "--keep-last", "1", "--resume", "auto"], out)
+    assert f"resumed from {out / 'step_000003'} at step 3 (run id {branch})" in capsys.readouterr().out
+    assert outdir.runs_of(str(out)) == [first, branch] and manifest_run(out / "step_000004") == branch
+    assert outdir.list_checkpoints(str(out)) == ["step_000001", "step_000002", "step_000004"]
+
+
+def test_resume_auto_refuses_a_checkpoint_copied_in_from_another_out(tmp_path):
+    """A checkpoint copied into --out from another run's folder (its manifest intact) was taken by --resume auto
+    as this run's newest. Now --resume auto takes only checkpoints of the runs this --out's runs.json lists, and
+    stops with one line naming the stranger; resuming it by name, or into an empty --out, still works."""
+    import harness
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    harness.train_run([*TINY, "--steps", "1"], mine)
+    harness.train_run([*TINY, "--steps", "2"], other)
+    shutil.copytree(other / "step_000002", mine / "step_000002")
+    with pytest.raises(ValueError) as e:
+        outdir.find_resume("auto", str(mine))
+    assert f"--resume auto: {mine / 'step_000002'} was written by run {manifest_run(other / 'step_000002')!r}, " \
+           f"not by a run of this --out" in str(e.value) and "\n" not in str(e.value)
+    assert outdir.find_resume(str(mine / "step_000002"), str(mine)) == str(mine / "step_000002")
+    assert outdir.find_resume(str(other / "step_000002"), str(tmp_path / "empty")) == str(other / "step_000002")
+
+
+# ------------------------------------------------------------- a planted checkpoint, its manifest made to match
+# Whoever can write into --out can put files in a checkpoint and rewrite its manifest to match them: resume then
+# trusts the digests. What the libraries would run, hang on or read out of bounds must still end in one line
+# naming the file, and run nothing.
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    import harness
+    return harness.train_run([*TINY, "--steps", "1"], tmp_path_factory.mktemp("saved") / "run")
+
+
+def planted(saved_run, tmp_path, files: dict) -> str:
+    """A copy of the saved run whose step_000001 holds `files` (name -> bytes or text), the manifest rewritten
+    to match."""
+    out = tmp_path / "run"
+    shutil.copytree(saved_run, out)
+    ckpt = out / "step_000001"
+    for name, content in files.items():
+        (ckpt / name).write_bytes(content.encode() if isinstance(content, str) else content)
+    run_id = outdir.read_manifest(str(ckpt))["run"]
+    os.remove(ckpt / "manifest.json")
+    with outdir.Folder.at(str(ckpt)) as folder:
+        checkpoint.write_manifest(folder, run_id, 1, {})
+    assert outdir.find_resume("auto", str(out)) == str(ckpt)  # the digests match: resume trusts it
+    return str(out)
+
+
+class Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def lying_header(saved_run, how: str) -> bytes:
+    with open(os.path.join(saved_run, "step_000001", "model.safetensors"), "rb") as f:
+        blob = f.read()
+    n = int.from_bytes(blob[:8], "little")
+    if how == "huge":
+        return (1 << 62).to_bytes(8, "little") + blob[8:]
+    header = json.loads(blob[8:8 + n])
+    first = next(k for k in header if k != "__metadata__")
+    header[first]["data_offsets"][1] += 1 << 30  # a tensor reaching a GiB past the file's end
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + blob[8 + n:]
+
+
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
+
+
+@pytest.mark.parametrize("attack, name, says", [
+    ("pickle", "trainer_state_rank0.pt", "not a file of tensors that loads without running code"),
+    ("offsets", "model.safetensors", "spans 1073750528 bytes, not 8704"),
+    ("huge header", "model.safetensors", "its header size (4611686018427387904 bytes) does not fit the file"),
+    ("auto_map", "config.json", "names code of its own to run (auto_map)"),
+    ("loop", "chat_template.jinja", "its chat template ran over 1 s on one prompt"),
+    ("include", "chat_template.jinja", "its chat template reads other templates")])
+def test_a_planted_checkpoint_ends_in_one_line_naming_the_file(saved_run, tmp_path, monkeypatch, attack, name, says):
+    """In this process, --resume auto of a checkpoint holding: an optimizer state that is a pickle running a
+    command; a safetensors header whose tensor runs past the file's end, or whose header size is 2^62 (tracebacks
+    from the library); a config.json naming code of its own beside it (auto_map); a chat template of nested loops
+    (it hung resume) or one that includes another file. Each is a ValueError of one line naming the file, within
+    seconds, and nothing of it runs."""
+    import harness
+    import data
+    marker = tmp_path / "ran"
+    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 1.0)
+    with open(os.path.join(saved_run, "step_000001", "config.json")) as f:
+        config = json.load(f)
+    evil = tmp_path / "evil.pt"
+    torch.save({"optimizer": Evil(marker)}, evil)
+    files = {"pickle": {name: evil.read_bytes()},
+             "offsets": {name: lying_header(saved_run, "offsets")},
+             "huge header": {name: lying_header(saved_run, "huge")},
+             "auto_map": {name: json.dumps({**config, "auto_map": {"AutoConfig": "evil.EvilConfig"}}),
+                          "evil.py": f"open({str(marker)!r}, 'w')\n"},
+             "loop": {name: LOOPS},
+             "include": {name: "{% include '/etc/passwd' %}"}}[attack]
+    out = planted(saved_run, tmp_path, files)
+
+    def hung(*_):
+        raise TimeoutError("resume hung")
+    signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)
+    try:
+        with pytest.raises(ValueError) as e:
+            harness.train_run([*TINY, "--steps", "2", "--resume", "auto"], out)
+    finally:
+        signal.alarm(0)
+    message = str(e.value)
+    assert message.startswith(os.path.join(out, "step_000001", name)) and says in message, message
+    assert "\n" not in message and not marker.exists()
+
+
+def test_a_template_that_loops_is_stopped_in_any_thread(monkeypatch):
+    """--overlap draws prompts in the rollout thread, where no signal reaches: the bound holds there too, and a
+    rendering that ends in time leaves nothing pending for the code after it."""
+    import threading
+    import data
+    import tiny
+    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 0.5)
+    tok = tiny.make_tokenizer()
+    tok.chat_template = LOOPS
+    errors = []
+
+    def draw():
+        try:
+            data.encode_prompt(tok, "1+2=")
+        except ValueError as e:
+            errors.append(str(e))
+    started = time.monotonic()
+    thread = threading.Thread(target=draw, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - started < 3
+    assert len(errors) == 1 and "its chat template ran over 0.5 s on one prompt" in errors[0], errors
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for _ in range(3):
+        assert data.encode_prompt(tok, "1+2=") == tok("1+2=").input_ids
+        time.sleep(0.6)  # past the deadline of the rendering that ended: nothing arrives
+
+
+def test_a_full_tmpdir_is_named_as_tmpdir_not_out(tmp_path, monkeypatch):
+    """In this process: the tokenizer's save_pretrained (which writes into a private folder in TMPDIR, copied
+    into the checkpoint after) refused for a full disk at the second save. The message named --out, the folder
+    with room, and said to resume once --out could be written; now it names TMPDIR."""
+    import errno
+    import tempfile
+    import harness
+    from transformers import PreTrainedTokenizerBase
+    tmpdir, out = tmp_path / "tmpdir", tmp_path / "run"
+    tmpdir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+    real, calls = PreTrainedTokenizerBase.save_pretrained, []
+
+    def full(self, path, *args, **kw):
+        calls.append(path)
+        assert path.startswith(str(tmpdir))
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, path, *args, **kw)
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", full)
+    with pytest.raises(ValueError) as e:
+        harness.train_run(TINY, out)
+    assert str(e.value) == (f"could not write checkpoint {out / 'step_000002'}: No space left on device (TMPDIR "
+                            f"{tmpdir}); the checkpoints before it are intact (the newest, step_000001, resumes "
+                            f"with --resume auto once TMPDIR can be written)")
+    assert outdir.list_checkpoints(str(out)) == ["step_000001"] and "step_000002.tmp" not in os.listdir(out)
+    assert not [n for n in os.listdir(tmpdir) if n.startswith("ulorl_save_")]  # the private folder went too
+
+
+def test_an_index_naming_a_file_outside_the_checkpoint_is_refused(saved_run, tmp_path):
+    """model.safetensors.index.json's weight_map was joined to the folder by FSDP's loader: '../' read a file
+    outside it. Now the index may name only the folder's own .safetensors files."""
+    import model as model_lib
+    folder = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(saved_run, "step_000001"), folder)
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "model.safetensors"}}))
+    model_lib.check_files(str(folder))
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "../other/model.safetensors"}}))
+    with pytest.raises(ValueError, match=re.escape(f"{index} names ../other/model.safetensors, which is not a "
+                                                   f".safetensors file of {folder}")):
+        model_lib.check_files(str(folder))

@@ -134,7 +134,8 @@ def test_samples_contract(short_run):
 def test_checkpoint_loads_with_transformers(short_run):
     from transformers import AutoModelForCausalLM
     out, _ = short_run
-    assert sorted(os.listdir(out)) == [".lock", "metrics.jsonl", "samples.jsonl", "step_000002", "step_000003"]
+    assert sorted(os.listdir(out)) == [".lock", "metrics.jsonl", "runs.json", "samples.jsonl", "step_000002",
+                                       "step_000003"]
     for d, dirs, files in os.walk(out):  # private: samples and checkpoints hold the data's answers (umask 077)
         for name in [d, *(os.path.join(d, n) for n in dirs + files)]:
             assert os.stat(name).st_mode & 0o077 == 0, oct(os.stat(name).st_mode)
