@@ -200,6 +200,8 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
                 saved = json.load(f)
             except (ValueError, RecursionError) as e:
                 raise ValueError(f"{os.path.join(path, 'ulorl_state.json')}: not JSON ({e})") from None
+        if not isinstance(saved, dict) or type(saved.get("world_size")) is not int:
+            raise ValueError(f"{os.path.join(path, 'ulorl_state.json')}: not the state a run saves (no world_size)")
         if saved["world_size"] != distributed.world():
             raise ValueError(f"--resume {path}: saved by {saved['world_size']} trainer process(es), resumed "
                              f"with {distributed.world()}; run with --nproc-per-node {saved['world_size']}")
@@ -207,6 +209,14 @@ def load(path: str, opt, sched, engine, pools: Pools, state: RunState, masters=N
         routes = None
         if distributed.rank() == 0 and "routing.pt" in folder.names():  # only rank 0 samples
             routes = load_tensors(folder, "routing.pt")
+    try:
+        _restore(saved, trainer, routes, opt, sched, engine, pools, state, masters)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+        raise ValueError(f"{os.path.join(path, 'ulorl_state.json')}: not the state a run saves, or not this run's "
+                         f"optimizer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _restore(saved: dict, trainer: dict, routes, opt, sched, engine, pools: Pools, state: RunState, masters) -> None:
     load_optimizer(opt, trainer["optimizer"])
     if trainer.get("masters") is not None:
         with torch.no_grad():

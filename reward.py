@@ -18,7 +18,7 @@ def score_samples(samples: list, texts: list[str], max_len: int, overlong: str =
     verifier's score, the judge's verdict where it is asked, then the overlong rule for truncated samples
     ("filter" leaves rewards alone: the update drops those samples). Training and evaluation both score here.
     Returns {"reward/timeouts", "reward/errors"} (and "reward/judge_calls" with a judge)."""
-    items = [(s.row["verifier"], t, s.row["answer"]) for s, t in zip(samples, texts)]
+    items = [(s.row["verifier"], without_prompt(s.row, t), s.row["answer"]) for s, t in zip(samples, texts)]
     rewards, metrics = score_batch(items, timeout=timeout, batch_timeout=batch_timeout)
     if judge is not None and samples:
         rewards, metrics["reward/judge_calls"] = judge_rewards(judge, [s.row for s in samples], texts, rewards)
@@ -26,6 +26,24 @@ def score_samples(samples: list, texts: list[str], max_len: int, overlong: str =
         s.reward = overlong_reward(r, len(s.tokens), s.finish == "truncated", max_len,
                                    "none" if overlong == "filter" else overlong, overlong_buffer)
     return metrics
+
+
+_SENTENCE = re.compile(r"[^.!?]+[.!?]*")
+
+
+def without_prompt(row: dict, text: str) -> str:
+    """An instruction-following response without the prompt's text in it (the whole prompt, its lines, sentences):
+    echoed, the prompt holds the words it asks for, so repeating it met "include these words" without writing
+    anything. Other verifiers read an answer the prompt cannot give (and a code response may repeat its stub)."""
+    if row["verifier"] != "ifeval":
+        return text
+    prompt = row["prompt"] if isinstance(row["prompt"], str) else "\n".join(
+        m.get("content", "") for m in row["prompt"] if isinstance(m, dict) and isinstance(m.get("content"), str))
+    parts = {prompt.strip(), *(p.strip() for line in prompt.splitlines() for p in (line, *_SENTENCE.findall(line)))}
+    for part in sorted(parts, key=len, reverse=True):
+        if len(part) >= 8:
+            text = text.replace(part, "")
+    return text
 
 
 def score_batch(items: list[tuple[str, str, str]], timeout: float = 5.0, workers: int = 2,

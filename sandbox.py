@@ -374,10 +374,49 @@ _STAR = "from sympy import *"  # what parse_expr runs to build its namespace: th
 _STAR_CODE = compile(_STAR, "<string>", "exec")
 
 
+# An answer's arithmetic is evaluated where it is parsed (sympy's parse_expr, eval): 9**9**9 ran to the check's
+# timeout, factorial(10**9) for 10 s, x**(10**10) 2 s. A power's exponent (or a shift's count) is a number of at
+# most MAX_EXPONENT or an expression without powers of its own; a factorial's argument at most MAX_FACTORIAL.
+MAX_EXPONENT = 10_000
+MAX_FACTORIAL = 10_000
+_FACTORIALS = {"factorial", "factorial2", "gamma", "binomial", "subfactorial"}
+_NUMBERS = {"Integer", "Float", "Rational"}
+
+
+def _bound(node) -> float:
+    """An upper bound of the magnitude of an expression's numbers (0 for names: symbols stay unevaluated)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, complex)):
+        return abs(node.value)
+    if isinstance(node, ast.UnaryOp):
+        return _bound(node.operand)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Div, ast.FloorDiv, ast.Mod)):
+        return _bound(node.left) + _bound(node.right)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return _bound(node.left) * _bound(node.right)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _NUMBERS:
+        return max((_bound(a) for a in node.args), default=0.0)  # parse_expr writes 2 as Integer (2 )
+    if isinstance(node, (ast.Name, ast.Constant)) or \
+            (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Symbol"):
+        return 0.0
+    return math.inf  # a power, another call, a collection: no cheap bound
+
+
+def _too_big(node) -> str | None:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Pow, ast.LShift)) and \
+            (any(isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Pow, ast.LShift)) for n in ast.walk(node.right))
+             or _bound(node.right) > MAX_EXPONENT):
+        return f"raises to a power past {MAX_EXPONENT}, or to a power of a power"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FACTORIALS and \
+            any(_bound(a) > MAX_FACTORIAL for a in node.args):
+        return f"takes {node.func.id} of more than {MAX_FACTORIAL}"
+    return None
+
+
 def refusal(source, allowed) -> str | None:
     """Why `source` (a str, bytes or an ast tree about to be compiled) is not a literal or an expression in the
     names `allowed`, or None when it is. A numeral with an underscore is refused too: a scorer that checks the
-    answer's numbers as digits (countdown's `\\b\\d+\\b`) would not see `1_64`, which Python reads as 164."""
+    answer's numbers as digits (countdown's `\\b\\d+\\b`) would not see `1_64`, which Python reads as 164; and
+    arithmetic that would take seconds to evaluate (_too_big)."""
     if isinstance(source, bytes):
         source = source.decode("utf-8", errors="replace")
     if isinstance(source, str):
@@ -405,6 +444,8 @@ def refusal(source, allowed) -> str | None:
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, complex)) and source is not None \
                 and "_" in (ast.get_source_segment(source, node) or ""):
             return "writes a number with an underscore"
+        if why := _too_big(node):
+            return why
     return None
 
 

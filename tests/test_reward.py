@@ -965,3 +965,20 @@ def test_answers_built_from_the_prompt_earn_nothing():
     scores, metrics = score_batch(items, timeout=60, workers=2)
     assert len(items) > 30 and scores == [0.0] * len(items), [(i[1][:60], s) for i, s in zip(items, scores) if s]
     assert metrics["reward/timeouts"] == 0
+
+
+def test_an_instruction_following_response_earns_nothing_for_the_prompt_it_repeats():
+    """The prompt holds the words it asks for: echoed whole, or its lines, it met "include the word Paris" and "at
+    most 60 words" (full marks) without writing anything. Scored without the prompt's text, the echo earns 0 and
+    an answer after an echo what the answer earns; chat-message prompts too."""
+    from segment_rollout import Sample
+    prompt = "Write a note about your trip. Keep it short.\nInclude the word Paris and finish with a period."
+    answer = json.dumps([c("include_keywords", words=["Paris"]), c("max_words", n=60)])
+    responses = [prompt, prompt.splitlines()[1], "Keep it short. Include the word Paris and finish with a period.",
+                 "Paris was lovely.",
+                 prompt + "\nParis was lovely."]
+    for p in (prompt, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]):
+        samples = [Sample(i, 0, [1], {"prompt": p, "answer": answer, "verifier": "ifeval"}, tokens=[1], finish="eos")
+                   for i in range(len(responses))]
+        reward.score_samples(samples, responses, max_len=100)
+        assert [s.reward for s in samples] == [0.0, 0.0, 0.0, 1.0, 1.0], p

@@ -502,7 +502,8 @@ LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% 
     ("huge header", "model.safetensors", "its header size (4611686018427387904 bytes) does not fit the file"),
     ("auto_map", "config.json", "names code of its own to run (auto_map)"),
     ("loop", "chat_template.jinja", "its chat template ran over 1 s on one prompt"),
-    ("include", "chat_template.jinja", "its chat template reads other templates")])
+    ("include", "chat_template.jinja", "its chat template reads other templates"),
+    ("state", "ulorl_state.json", "not the state a run saves")])
 def test_a_planted_checkpoint_ends_in_one_line_naming_the_file(saved_run, tmp_path, monkeypatch, attack, name, says):
     """In this process, --resume auto of a checkpoint holding: an optimizer state that is a pickle running a
     command; a safetensors header whose tensor runs past the file's end, or whose header size is 2^62 (tracebacks
@@ -515,6 +516,8 @@ def test_a_planted_checkpoint_ends_in_one_line_naming_the_file(saved_run, tmp_pa
     monkeypatch.setattr(data, "TEMPLATE_SECONDS", 1.0)
     with open(os.path.join(saved_run, "step_000001", "config.json")) as f:
         config = json.load(f)
+    with open(os.path.join(saved_run, "step_000001", "ulorl_state.json")) as f:
+        state = json.load(f)
     evil = tmp_path / "evil.pt"
     torch.save({"optimizer": Evil(marker)}, evil)
     files = {"pickle": {name: evil.read_bytes()},
@@ -523,7 +526,8 @@ def test_a_planted_checkpoint_ends_in_one_line_naming_the_file(saved_run, tmp_pa
              "auto_map": {name: json.dumps({**config, "auto_map": {"AutoConfig": "evil.EvilConfig"}}),
                           "evil.py": f"open({str(marker)!r}, 'w')\n"},
              "loop": {name: LOOPS},
-             "include": {name: "{% include '/etc/passwd' %}"}}[attack]
+             "include": {name: "{% include '/etc/passwd' %}"},
+             "state": {name: json.dumps({**state, "pools": {"unfinished": []}})}}[attack]
     out = planted(saved_run, tmp_path, files)
 
     def hung(*_):

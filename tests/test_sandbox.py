@@ -503,7 +503,7 @@ SYMPY = frozenset(verifiers.SYMPY_NAMES)
 @pytest.mark.parametrize("source", [
     "Integer (2 )*Symbol ('x' )**Integer (2 )+Integer (3 )",  # what sympy's parse_expr makes of 2*x**2+3
     "sqrt (Integer (2 ))/Integer (2 )+pi *I", "[1, 2, (3, -4.5)]", "{'a': [1.5e3, None]}", b"1+1",
-    "from sympy import *",
+    "from sympy import *", "Symbol ('x' )**Integer (10000 )", "factorial (Integer (10000 ))", "2**(3*x)",
 ])
 def test_arithmetic_and_literals_pass_the_guard(source):
     assert sandbox.refusal(source, SYMPY | {"I"}) is None
@@ -518,6 +518,28 @@ def test_arithmetic_and_literals_pass_the_guard(source):
     ("sqrt(*[4])", "Starred"), ("{**x}", "unpacks"), ("lambda: 1", "Lambda"), ("[i for i in x]", "ListComp"),
     ("(1).__class__", "Attribute"), ("x[0]", "Subscript"), ("1 if x else 2", "IfExp"), ("x == x", "Compare"),
     ("import os", "not one expression"), ("__import__('os')", "names '__import__'"),
+    # arithmetic evaluated as it is parsed, for seconds: each bound on both sides (the passing side above)
+    ("Integer (9 )**Integer (9 )**Integer (9 )", "power of a power"), ("x**(10*10*10*10*10)", "power past 10000"),
+    ("Symbol ('x' )**Integer (10001 )", "power past 10000"), ("1 << 10**6", "power of a power"),
+    ("factorial (Integer (10001 ))", "factorial of more than 10000"), ("binomial(10**9, 5)", "binomial of more"),
 ])
 def test_code_in_an_answer_is_refused_by_its_structure(source, why):
     assert why in (sandbox.refusal(source, SYMPY) or "")
+
+
+@pytest.mark.slow
+def test_sympy_answers_that_evaluate_for_seconds_score_nothing_in_time():
+    """Through the reward pool, as training scores them: 9**9**9 on a polynomial_multiplication row ran to the 5 s
+    timeout, factorial(10**9) for 10 s, x**(10**10) on an integration row 2 s. Refused by the guard, each is a
+    counted error at once, never a timeout; the rows' own answers still score 1.0."""
+    import data
+    poly = data.rg_rows("rg:polynomial_multiplication:2", seed=0)
+    integration = data.rg_rows("rg:simple_integration:2", seed=0)
+    items = [("rg", f"<answer>{a}</answer>", row["answer"]) for row in poly
+             for a in ("9**9**9", "factorial(10**9)", "x**(10**10)")]
+    items += [("rg", f"<answer>x**(10**10)</answer>", row["answer"]) for row in integration]
+    golds = [("rg", f"<answer>{json.loads(row['answer'])['answer']}</answer>", row["answer"]) for row in poly + integration]
+    start = time.monotonic()
+    scores, metrics = reward.score_batch(items + golds, timeout=5.0, workers=2)
+    assert scores == [0.0] * len(items) + [1.0] * len(golds) and metrics["reward/timeouts"] == 0, (scores, metrics)
+    assert time.monotonic() - start < 30, "a check ran for seconds"
