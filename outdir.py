@@ -418,10 +418,13 @@ def runs_of(out: "Folder | str") -> list[str]:
     return runs
 
 
+RECORDS = ("metrics.jsonl", "samples.jsonl")
+
+
 def begin_run(out: Folder, resume_from: str | None, new_id: str) -> str:
     """The id this run writes its checkpoints under, added to runs.json (rank 0, holding the lock). Resuming the
     newest checkpoint of --out continues its run (its id); resuming an older one starts a new branch (`new_id`),
-    and the checkpoints newer than it move aside, to `aside-<new_id>/` in --out (kept, said where): left in
+    and the checkpoints newer than it move aside, to `aside-<new_id>/` in --out with a copy of the records (kept, said where): left in
     place, their step names would be written over, and --resume auto would continue the abandoned branch. A
     fresh run, or one resumed from another folder, is new too."""
     run_id, here = new_id, None
@@ -436,12 +439,16 @@ def begin_run(out: Folder, resume_from: str | None, new_id: str) -> str:
             run_id = saved.get("run") or new_id
         else:
             aside = f"aside-{new_id}"
-            out.sub(aside, create=True).close()
-            for name in newer:
-                out.replace(name, os.path.join(aside, name))
+            with out.sub(aside, create=True) as kept:
+                for name in newer:
+                    out.replace(name, os.path.join(aside, name))
+                for name in RECORDS:  # the abandoned branch's records: this run cuts them from --out's own
+                    if name in out.names():
+                        with out.open(name, "rb") as src, kept.open(name, "wb", new=True) as dst:
+                            shutil.copyfileobj(src, dst)
             print(f"--resume {resume_from} is not the newest checkpoint of --out: this run is a new branch, run id "
-                  f"{new_id}; the newer checkpoints ({', '.join(newer)}) moved to {os.path.join(out.path, aside)}/",
-                  flush=True)
+                  f"{new_id}; the newer checkpoints ({', '.join(newer)}) moved to {os.path.join(out.path, aside)}/, "
+                  f"with a copy of the records", flush=True)
     runs = runs_of(out)
     if run_id not in runs:
         with out.open(RUNS + ".tmp", "w") as f:

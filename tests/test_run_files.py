@@ -415,11 +415,14 @@ def test_resuming_an_older_checkpoint_starts_a_branch_and_auto_continues_the_new
     assert outdir.runs_of(str(out)) == [first, branch] and branch != first
     aside = out / f"aside-{branch}"
     assert f"this run is a new branch, run id {branch}; the newer checkpoints (step_000003, step_000004) moved to " \
-           f"{aside}/" in said
+           f"{aside}/, with a copy of the records" in said
     assert outdir.list_checkpoints(str(aside)) == ["step_000003", "step_000004"]
-    assert all(manifest_run(aside / n) == first and outdir.problem(str(aside / n)) is None for n in os.listdir(aside))
+    assert all(manifest_run(aside / n) == first and outdir.problem(str(aside / n)) is None
+               for n in outdir.list_checkpoints(str(aside)))
     assert outdir.list_checkpoints(str(out)) == ["step_000001", "step_000002", "step_000003"]
     assert [manifest_run(out / f"step_00000{i}") for i in (1, 2, 3)] == [first, first, branch]
+    steps = lambda path: [json.loads(line)["step"] for line in open(path)]
+    assert steps(aside / "metrics.jsonl") == [1, 2, 3, 4] and steps(out / "metrics.jsonl") == [1, 2, 3]
     assert outdir.find_resume("auto", str(out)) == str(out / "step_000003")
     harness.train_run([*TINY, "--steps", "4", "--keep-last", "1", "--resume", "auto"], out)
     assert f"resumed from {out / 'step_000003'} at step 3 (run id {branch})" in capsys.readouterr().out
