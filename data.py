@@ -209,6 +209,9 @@ def make_row(obj, where: str, prompt_key: str, answer_key: str, verifier_key: st
             JSON_ANSWERS[verifier](answer)
         except ValueError as e:
             raise ValueError(f"{where}: field '{answer_key}' (the answer of a {verifier!r} row): {e}") from None
+    if verifier == "code" and sandbox.visible_tests(
+            "\n".join(m["content"] for m in prompt) if isinstance(prompt, list) else prompt, answer):
+        answer = json.dumps({**json.loads(answer), "full_marks": True})  # a test the prompt shows is no test alone
     return {"prompt": prompt, "answer": answer, "verifier": verifier, "where": where}
 
 

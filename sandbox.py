@@ -713,8 +713,9 @@ def _same_output(got: str, expected: str) -> bool:
     return norm(got) == norm(expected)
 
 
-def parse_tests(answer: str) -> tuple[list[str], list[str], float]:
-    """answer = JSON {"inputs": [stdin, ...], "outputs": [stdout, ...], "timeout": seconds per test (opt.)}."""
+def parse_tests(answer: str) -> tuple[list[str], list[str], float, bool]:
+    """answer = JSON {"inputs": [stdin, ...], "outputs": [stdout, ...], "timeout": seconds per test (opt.),
+    "full_marks": whether only passing every test counts (opt.; data.make_row sets it, visible_tests)}."""
     try:
         tests = json.loads(answer)
     except json.JSONDecodeError as e:
@@ -729,13 +730,25 @@ def parse_tests(answer: str) -> tuple[list[str], list[str], float]:
     timeout = tests.get("timeout", 2.0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise ValueError(f"code answer's 'timeout' must be a positive number of seconds, got {timeout!r}")
-    return [str(x) for x in tests["inputs"]], [str(x) for x in tests["outputs"]], float(timeout)
+    if not isinstance(tests.get("full_marks", False), bool):
+        raise ValueError(f"code answer's 'full_marks' must be true or false, got {tests['full_marks']!r}")
+    return [str(x) for x in tests["inputs"]], [str(x) for x in tests["outputs"]], float(timeout), \
+        tests.get("full_marks", False)
+
+
+def visible_tests(prompt: str, answer: str) -> int:
+    """How many of a code row's tests stand in its prompt (their output, and their input unless empty): a program
+    that prints what the prompt shows passes those without solving, so such a row counts only when all pass."""
+    inputs, outputs, _, _ = parse_tests(answer)
+    shown = lambda text: not text.strip() or text.strip() in prompt
+    return sum(bool(out.strip()) and shown(out) and shown(stdin) for stdin, out in zip(inputs, outputs))
 
 
 def code_reward(response: str, answer: str) -> float:
-    """Fraction of the answer's stdin/stdout tests that the response's last code block passes. Each test runs
-    in its own sandboxed process; a response without a code block scores 0."""
-    inputs, outputs, timeout = parse_tests(answer)
+    """Fraction of the answer's stdin/stdout tests that the response's last code block passes (with "full_marks":
+    1 when all pass, else 0). Each test runs in its own sandboxed process; a response without a code block
+    scores 0."""
+    inputs, outputs, timeout, full_marks = parse_tests(answer)
     code = extract_code(response)
     if code is None:
         return 0.0
@@ -743,4 +756,4 @@ def code_reward(response: str, answer: str) -> float:
     for stdin, expected in zip(inputs, outputs):
         r = run_program(code, stdin, timeout)
         passed += r.status == "ok" and _same_output(r.stdout, expected)
-    return passed / len(inputs)
+    return 0.0 if full_marks and passed < len(inputs) else passed / len(inputs)

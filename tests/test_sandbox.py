@@ -543,3 +543,23 @@ def test_sympy_answers_that_evaluate_for_seconds_score_nothing_in_time():
     scores, metrics = reward.score_batch(items + golds, timeout=5.0, workers=2)
     assert scores == [0.0] * len(items) + [1.0] * len(golds) and metrics["reward/timeouts"] == 0, (scores, metrics)
     assert time.monotonic() - start < 30, "a check ran for seconds"
+
+
+def test_a_program_printing_what_the_prompt_shows_earns_nothing(tmp_path):
+    """A code row's prompt often shows a test (input 3, output 4): a program that prints 4 passed it and earned
+    that test's share without solving. Such a row counts only when every test passes; a row whose tests the
+    prompt does not show keeps its per-test credit."""
+    import data
+    tests = {"inputs": ["3", "10"], "outputs": ["4", "11"]}
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "answer": tests, "verifier": "code"}) + "\n" for p in (
+        "Read n and print n+1. Example: input 3, output 4.", "Read n and print n+1.")))
+    shown, hidden = data.load_rows(str(path))
+    assert sandbox.visible_tests(shown["prompt"], hidden["answer"]) == 1 and json.loads(shown["answer"])["full_marks"]
+    assert "full_marks" not in json.loads(hidden["answer"])
+    items = [("code", fenced(program), row["answer"]) for row in (shown, hidden)
+             for program in ("print(4)", "print(int(input()) + 1)")]
+    scores, metrics = reward.score_batch(items, timeout=20)
+    assert scores == [0.0, 1.0, 0.5, 1.0] and metrics["reward/errors"] == 0, (scores, metrics)
+    with pytest.raises(ValueError, match="'full_marks' must be true or false"):
+        sandbox.parse_tests(json.dumps({**tests, "full_marks": "yes"}))
