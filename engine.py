@@ -199,8 +199,10 @@ class HFEngine:
         for rows in groups:
             w = max(len(prompts[i]) for i in rows)
             ids, attn = self.left_padded([prompts[i] for i in rows], w, device)
+            # positions count real tokens only; logits of the last position only: at 128k positions and a 151k
+            # vocabulary, every position's would take 36 GiB in fp16 to keep one row of them
             out = self.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0),
-                             use_cache=True)  # positions count real tokens only
+                             use_cache=True, logits_to_keep=1)
             self.prefill_tokens += len(rows) * w
             for j, i in enumerate(rows):
                 logits[i] = out.logits[j, -1]

@@ -249,3 +249,23 @@ def test_a_rollout_decoded_during_the_update_keeps_its_replicas_idle_share(tok, 
     cfg = parse_config(["--train-groups", "1"])
     rollouts.Rollouts(both, Pools(), [], RunState(ready=[[]]), tok, Sampling(1.0), cfg, None).until_ready(record, [], 0)
     assert record["rollout/rounds"] == 3 and record["rollout/replica_idle"] == idle
+
+
+def test_prefill_keeps_the_logits_of_the_last_position_only():
+    """At a real vocabulary (32k) and a 4k-token prompt, the prefill's output logits are [B, 1, V]: every
+    position's would be 4096 x 32768 floats (512 MiB here; at 128k positions and a 151k vocabulary, 36 GiB in
+    fp16) to keep one row of them. The sampled token's log-prob still matches the full forward's last row."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    lm = Qwen3ForCausalLM(Qwen3Config(vocab_size=32768, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                      max_position_embeddings=8192)).eval()
+    shapes = []
+    lm.lm_head.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
+    prompt = torch.randint(1, 32768, (4096,)).tolist()
+    eng = HFEngine(lm, [0], 0, seed=1)
+    g = eng.generate([prompt], [2], Sampling(1.0), keys=[0])[0]
+    assert shapes[0] == (1, 1, 32768), shapes
+    with torch.no_grad():
+        full = torch.log_softmax(lm(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    assert abs(g.logprobs[0] - full[g.tokens[0]].item()) < 1e-4
