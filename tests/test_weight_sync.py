@@ -215,3 +215,29 @@ def test_the_nccl_sender_gets_tensors_on_its_own_device_whatever_the_offload(mon
         assert t.device == device and t.dtype == torch.bfloat16, (name, t.device)
         names.append(name)
     assert names == [m.name for m in source.metadata()] and len(names) == len(list(lm.parameters()))
+
+
+@pytest.mark.slow
+def test_weight_sync_implements_the_installed_vllms_interface():
+    """weight_sync.py against the installed vLLM's own classes, so that a drift within 0.32 fails here, not on a
+    GPU: every abstract method of the source, engine and trainer bases implemented with the base's parameters
+    (vLLM calls them positionally and by name), the client's four calls as vLLM's client protocol declares
+    them, and the worker methods they reach by name present on vLLM's CPU and GPU workers."""
+    from vllm.distributed import weight_transfer as wt
+    from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    def params(f):
+        return [p.name for p in inspect.signature(f).parameters.values()]
+    for ours, base in ((weight_sync.HFSource, wt.WeightSource), (weight_sync.GlooEngine, wt.WeightTransferEngine),
+                       (weight_sync.GlooTrainer, wt.TrainerWeightTransferEngine)):
+        assert not ours.__abstractmethods__ and base.__abstractmethods__, ours
+        for name in base.__abstractmethods__:
+            assert params(getattr(ours, name)) == params(getattr(base, name)), (ours.__name__, name)
+    calls = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+    for name in calls:
+        assert params(getattr(weight_sync.LLMClient, name)) == params(getattr(VLLMWeightSyncClient, name)), name
+        assert hasattr(Worker, name) and hasattr(CPUWorker, name), name
+    import engine
+    engine.check_vllm(vllm.__version__)  # the installed one is the one supported
