@@ -50,11 +50,15 @@ def busy_cores(seconds: float = 0.2) -> float:
 
 
 def set_threads(requested: int, local_ranks: int) -> int:
-    """torch's CPU threads: --threads; for 0, OMP_NUM_THREADS when set, else the cores idle now shared by this
-    machine's trainer ranks. (Measured on 2 cores with one busy neighbour: 20 tiny steps took 147 s with 2
-    threads, 78 s with 1; idle, 52 s with 2.)"""
+    """torch's CPU threads: --threads; for 0, OMP_NUM_THREADS when the user set it, else this rank's share of the
+    cores idle now among the machine's trainer ranks. torchrun sets OMP_NUM_THREADS=1 itself when it starts
+    several ranks a machine and finds it unset, so there a 1 counts as unset (--threads 1 asks for one): with
+    --offload-optimizer the fp32 gradients and AdamW of a 30B model would run on one core a rank while the rest
+    idle. (Measured on 2 cores with one busy neighbour: 20 tiny steps took 147 s with 2 threads, 78 s with 1;
+    idle, 52 s with 2.)"""
     if not requested:
-        if os.environ.get("OMP_NUM_THREADS"):
+        omp = os.environ.get("OMP_NUM_THREADS")
+        if omp and not (omp == "1" and local_ranks > 1 and "TORCHELASTIC_RUN_ID" in os.environ):
             return torch.get_num_threads()
         idle = len(os.sched_getaffinity(0)) - round(busy_cores())
         requested = max(1, idle // local_ranks)

@@ -16,6 +16,7 @@ of the tests (tests/test_bench.py only runs each mode at a trivial size); timing
     python -m bench reward                      # the reward pool against a single-process loop, 1000 math answers
     python -m bench plan check                  # the memory plan against the measured peaks of short runs
     python -m bench rg                          # every Reasoning Gym dataset's probe: as is, full marks only, refused
+    python -m bench offload                     # the offloaded optimizer step (AdamW on the CPU), 1 thread vs 2
 
 Every mode prints a table and, last, one JSON line with its figures (`plan`: one a run, or a rank). Unknown
 flags of `segments`, `trl` and `overlap` go to train.py (e.g. `--prompts-per-step 8`), so a benchmark runs
@@ -49,12 +50,13 @@ slot busy until the last row stops. For vLLM's continuous batching the number is
 import argparse
 import json
 
-from bench import (decode, gpu, memory, memory_plan, moe_routing, overlap, reward_pool, rg_probe, scale, seeds,
-                   segments, sp, vs_trl)
+from bench import (decode, gpu, memory, memory_plan, moe_routing, offload, overlap, reward_pool, rg_probe, scale,
+                   seeds, segments, sp, vs_trl)
 from bench.common import clean
 
 # in --help's order
-MODES = (segments, vs_trl, memory, sp, overlap, gpu, decode, seeds, scale, moe_routing, reward_pool, memory_plan, rg_probe)
+MODES = (segments, vs_trl, memory, sp, overlap, gpu, decode, seeds, scale, moe_routing, reward_pool, memory_plan, rg_probe,
+         offload)
 
 
 def parser() -> argparse.ArgumentParser:

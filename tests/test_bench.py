@@ -258,6 +258,13 @@ def test_reward():
 
 
 @pytest.mark.slow
+def test_offload():
+    """Both thread counts step the same optimizer and take time."""
+    r = last_json(run_bench("offload", "--millions", "2", "--tensors", "4", "--rounds", "2"))
+    assert r["bench"] == "offload" and r["threads"] == 2 and r["step_s_1"] > 0 and r["step_s_2"] > 0, r
+
+
+@pytest.mark.slow
 def test_rg():
     """Two datasets' probes, one refused (coin_flip: '0' is within its absolute tolerance of most answers)."""
     r = last_json(run_bench("rg", "--datasets", "coin_flip,spell_backward"))

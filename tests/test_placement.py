@@ -11,10 +11,12 @@ import os
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, hub_cache, run, run_many
 from routing import routing_dtype
 import model as model_lib
+import placement
 import plan as plan_lib
 from config import engine_placement, parse_config
 
@@ -229,3 +231,27 @@ def test_routing_replay_at_the_papers_scale(hub_env):
     assert "--sp 2, --offload-optimizer true," in h200.stdout and "verdict: fits in 131.3 GiB" in h200.stdout
     assert "routing replay ids (every rank)    0.144 GiB" in h200.stdout
     assert "routing records (rank 0)         48.750 GiB" in h200.stdout, h200.stdout
+
+
+@pytest.mark.parametrize("omp, torchrun, ranks, threads", [
+    (None, False, 1, 8), (None, True, 2, 4), ("1", True, 2, 4), ("1", True, 1, 1), ("1", False, 2, 1),
+    ("3", True, 2, 3)])
+def test_each_rank_takes_its_share_of_the_cores_unless_the_user_said(monkeypatch, omp, torchrun, ranks, threads):
+    """--threads 0 on 8 idle cores: the machine's ranks share them. OMP_NUM_THREADS=1 under torchrun with several
+    ranks a machine is torchrun's own default (it sets it when unset), not the user's, and is shared out too;
+    any other value, or a 1 outside torchrun or on one rank, is the user's. --threads always wins."""
+    saved = torch.get_num_threads()
+    monkeypatch.setattr(placement, "busy_cores", lambda: 0.0)
+    monkeypatch.setattr(placement.os, "sched_getaffinity", lambda pid: set(range(8)))
+    for name, value in (("OMP_NUM_THREADS", omp), ("TORCHELASTIC_RUN_ID", "r1" if torchrun else None)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    try:
+        if omp is not None:
+            torch.set_num_threads(int(omp))  # as the variable set it at start
+        assert placement.set_threads(0, ranks) == threads and torch.get_num_threads() == threads
+        assert placement.set_threads(2, ranks) == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
