@@ -5,6 +5,7 @@ that transformers and vLLM load. The plan against measured peaks: test_distribut
 
     python -m pytest tests/test_plan.py          # ~40 seconds on 2 cores; the vLLM part skips without vLLM
 """
+import dataclasses
 import json
 import os
 import sys
@@ -318,3 +319,23 @@ def test_the_update_holds_to_the_plan_item_by_item(tmp_path):
         planned, measured = row["planned_mib"], row["measured_mib"]
         assert row["ok"], row
         assert planned["gradients (between micro-batches)"] > 30  # a shard of the fp32 gradients, not its noise
+
+
+def test_the_attention_backward_counts_grouped_key_value_gradients_at_the_query_heads():
+    """The kernel's backward holds fp32 sums of dq and each row's softmax (heads x (D + 1) x 4 bytes a token), and,
+    with grouped-query attention, the key and value gradients at the query heads' count in the compute dtype before
+    each group is summed (2 x heads x D x c): Qwen3-30B-A3B's 32 query heads on 4 at 128k tokens, 2.04 + 2.04 GiB
+    in bf16; with every head its own key and value (the same shape with 32 on 32) there is no such term. --sp 2
+    halves the heads a rank holds."""
+    from config import parse_config
+    from transformers import AutoConfig
+    cfg = parse_config(["--preset", "ulorl", "--data", "x.jsonl", "--plan"])
+    moe = plan_lib.Shape.of(AutoConfig.from_pretrained(os.path.join(ROOT, "tests", "configs", "Qwen3-30B-A3B")))
+    L = 133120
+    assert (moe.heads, moe.kv_heads, moe.head_dim) == (32, 4, 128)
+    for sp in (1, 2):
+        heads = 32 // sp
+        assert plan_lib.attention_backward_bytes(moe, cfg, L, sp, 2) == L * heads * 129 * 4 + 2 * L * heads * 128 * 2
+    full = dataclasses.replace(moe, kv_heads=moe.heads)
+    assert plan_lib.attention_backward_bytes(full, cfg, L, 1, 2) == L * 32 * 129 * 4
+    assert plan_lib.attention_backward_bytes(moe, cfg, L, 1, 2) / 2**30 == pytest.approx(2.04 + 2.03, abs=0.02)
