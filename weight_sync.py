@@ -78,19 +78,29 @@ class LLMClient:
 
     def __init__(self, llm):
         self.llm, self.updating = llm, False
+        # since when the workers start or finish an update (no tensor moves then), and when they last did: send's watch
+        self.loading, self.loaded = None, 0.0
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
 
     def start_weight_update(self) -> None:
-        self.llm.collective_rpc("start_weight_update")
+        self.loading = time.monotonic()
+        try:
+            self.llm.collective_rpc("start_weight_update")
+        finally:
+            self.loading, self.loaded = None, time.monotonic()
         self.updating = True
 
     def update_weights(self, update_info) -> None:
         self.llm.collective_rpc("update_weights", args=(update_info,))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.collective_rpc("finish_weight_update")
+        self.loading = time.monotonic()
+        try:
+            self.llm.collective_rpc("finish_weight_update")
+        finally:
+            self.loading, self.loaded = None, time.monotonic()
         self.updating = False
 
 
@@ -106,6 +116,14 @@ class SyncFailed(RuntimeError):
 
 
 SYNC_STALL_S = 60.0  # a sync in which no tensor moves for this long has failed (a 30B model's takes seconds)
+# While the workers prepare or finish loading (each layer's post-load processing: repacking, quantizing) no tensor
+# moves; that phase may take SYNC_STALL_S plus the model's bytes at this rate (a 30B model in bf16: 60 + 122 s)
+LOAD_BYTES_PER_S = 0.5e9
+
+
+def load_limit(source) -> float:
+    """Seconds the workers' start or finish of an update may take: SYNC_STALL_S and the weights at LOAD_BYTES_PER_S."""
+    return SYNC_STALL_S + sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()) / LOAD_BYTES_PER_S
 
 
 def send(transfer, broadcast: bool, engine_alive=None) -> None:
@@ -116,8 +134,9 @@ def send(transfer, broadcast: bool, engine_alive=None) -> None:
     error goes up (a layer that received nothing gets its old weights back), and the error says the engine's
     weights are mixed.
     The sync runs in a thread of its own, watched: an engine that died (`engine_alive()` false), workers that
-    failed to load a tensor (the gloo sender sees their error), or no tensor moved for SYNC_STALL_S (a worker
-    that never returns; an NCCL broadcast has no timeout) is SyncFailed at once, with the sync thread left
+    failed to load a tensor (the gloo sender sees their error), no tensor moved for SYNC_STALL_S (a worker that
+    never returns; an NCCL broadcast has no timeout), or the workers' start or finish of the update (their own
+    loading, when no tensor moves) past load_limit is SyncFailed at once, with the sync thread left
     blocked where it is: the caller tears the engine down, and the process must end without waiting for it
     (vLLM's own update thread, orphaned in that broadcast, is joined at interpreter exit)."""
     outcome, done = {}, threading.Event()
@@ -134,13 +153,21 @@ def send(transfer, broadcast: bool, engine_alive=None) -> None:
         finally:
             done.set()
     transfer.source.moved = time.monotonic()
+    limit = load_limit(transfer.source)
     threading.Thread(target=run, name="weight sync", daemon=True).start()
     while not done.wait(0.2):
-        failed = getattr(transfer, "failed", None)
-        why = ("the engine's process died" if engine_alive is not None and not engine_alive() else
-               f"the engine's workers failed to load the weights ({type(failed[0]).__name__}: {failed[0]})"
-               if failed else f"no tensor moved for {SYNC_STALL_S:.0f} s"
-               if time.monotonic() - transfer.source.moved > SYNC_STALL_S else None)
+        failed, client = getattr(transfer, "failed", None), transfer.client
+        loading = getattr(client, "loading", None)  # the workers' own start or finish of the update: no tensor moves
+        quiet = time.monotonic() - max(transfer.source.moved, loading or getattr(client, "loaded", 0.0))
+        why = None
+        if engine_alive is not None and not engine_alive():
+            why = "the engine's process died"
+        elif failed:
+            why = f"the engine's workers failed to load the weights ({type(failed[0]).__name__}: {failed[0]})"
+        elif loading is not None and quiet > limit:
+            why = f"the engine's workers did not start or finish the update in {limit:.0f} s"
+        elif loading is None and quiet > SYNC_STALL_S:
+            why = f"no tensor moved for {SYNC_STALL_S:.0f} s"
         if why:
             raise SyncFailed(f"the weight sync failed while the engine's workers were receiving: {why}")
     e = outcome.get("error")

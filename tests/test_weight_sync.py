@@ -241,3 +241,44 @@ def test_weight_sync_implements_the_installed_vllms_interface():
         assert hasattr(Worker, name) and hasattr(CPUWorker, name), name
     import engine
     engine.check_vllm(vllm.__version__)  # the installed one is the one supported
+
+
+def test_a_slow_but_alive_load_passes_the_sync_watch_and_a_dead_one_ends_in_time(monkeypatch):
+    """No tensor moves while vLLM's workers finish an update (each layer's post-load processing: seconds a GB at
+    30B), and the watch stopped such a live sync at SYNC_STALL_S. Now the workers' start and finish may take
+    SYNC_STALL_S plus the weights at LOAD_BYTES_PER_S (here 0.3 + 1.0 s): a finish of 0.8 s passes; one that never
+    returns ends within that limit, as tensors that stop moving still end at SYNC_STALL_S."""
+    monkeypatch.setattr(weight_sync, "SYNC_STALL_S", 0.3)
+    monkeypatch.setattr(weight_sync, "LOAD_BYTES_PER_S", 1000.0)  # 1000 bytes of weights: a second
+
+    class LLM:  # vLLM's engine as the client calls it: each rpc takes what `seconds` says
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def collective_rpc(self, method, args=()):
+            time.sleep(self.seconds.get(method, 0.0))
+
+    class Transfer:  # the trainer's transfer engine: start, tensors a few at a time, finish
+        def __init__(self, finish_s, stop_after=None):
+            self.client = weight_sync.LLMClient(LLM({"finish_weight_update": finish_s}))
+            self.source = types.SimpleNamespace(moved=0.0, metadata=lambda: [
+                weight_sync.ParamMeta("w", torch.float32, (250,))])
+            self.stop_after = stop_after
+
+        def send_weights(self):
+            self.client.start_weight_update()
+            for i in range(5):
+                if i == self.stop_after:
+                    time.sleep(1e6)  # a broadcast that never returns
+                time.sleep(0.1)
+                self.source.moved = time.monotonic()
+            self.client.finish_weight_update()
+
+    import time
+    weight_sync.send(Transfer(finish_s=0.8), broadcast=True)
+    for transfer, why, within in ((Transfer(finish_s=1e6), "did not start or finish the update in 1 s", 1.3),
+                                  (Transfer(finish_s=0.0, stop_after=2), "no tensor moved for 0 s", 0.3)):
+        start = time.monotonic()
+        with pytest.raises(weight_sync.SyncFailed, match=why):
+            weight_sync.send(transfer, broadcast=True)
+        assert within < time.monotonic() - start < within + 1.0
