@@ -642,6 +642,10 @@ def test_h200_dry_run():
     assert all(r["planned_s"] > 0 and r["commands"] for r in checks)
     assert budget["planned_s"] == budget["setup_s"] + sum(r["planned_s"] for r in checks)
     assert budget["planned_s"] <= 420 < budget["deadline_s"] == h200.DEADLINE_S <= 480 and budget["fits_time"]
+    # the layers rows each card's free memory takes, by their plans: the 128k row needs more than an H100's 80 GiB
+    [layers] = [r for r in checks if r["check"] == "qwen3_30b_layers"]
+    assert layers["rows_on"] == {"H100 (80 GiB)": [32768], "H200 (141 GB)": [32768, 131072]}, layers
+    assert 80 < layers["row_need_gib"]["131072"] < 139 and layers["row_need_gib"]["32768"] < 79
     commands = {r["check"]: [shell_words(c) for c in r["commands"]] for r in checks}
     for env, words in (c for cs in commands.values() for c in cs):
         assert words[0] == sys.executable and env["HF_HUB_OFFLINE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "0"
@@ -757,6 +761,28 @@ def test_h200_deadline(capsys):
     assert cpu["status"] == "skipped" and cpu["why"] == "CUDA-only"
     summary = h200.summary(h200.Ctx("cpu", "/w"), lines, h200.time.time())
     assert not summary["ok"] and summary["failed"] == ["c", "e"] and summary["skipped"] == ["b", "d"]
+    # one that runs out of its time (here 3x a plan of 0.5 s) is cut, not failed; on the CPU plans count 4x
+    slow = h200.Check("g", 0.5, None, lambda ctx, t: (h200.time.sleep(t), {"ok": False, "error": "timed out"})[1])
+    [cut] = h200.run_checks(h200.Ctx("cuda", "/w"), [slow], deadline=100, t_start=h200.time.time())
+    assert cut["status"] == "cut" and cut["why"] == "cut at 2 s (3x its plan)" and 1.5 <= cut["wall_s"] < 2.5
+    summary = h200.summary(h200.Ctx("cpu", "/w"), [cut], h200.time.time())
+    assert summary["ok"] and summary["cut"] == ["g"] and summary["failed"] == []
+    given.clear()
+    h200.run_checks(h200.Ctx("cpu", "/w"), checks[:1], deadline=1000, t_start=h200.time.time())
+    assert given["timeout"] == 3 * h200.CPU_SLOWER * 10
+
+
+def test_h200_archive_holds_every_log_and_run_record(tmp_path):
+    """What a device call brings back: the tail of every log and every run's metrics.jsonl, under the limit."""
+    work = tmp_path / "work"
+    (work / "logs").mkdir(parents=True)
+    (work / "logs" / "moe_train.stdout").write_text("x" * 5000)
+    (work / "runs" / "replay").mkdir(parents=True)
+    (work / "runs" / "replay" / "metrics.jsonl").write_text('{"step": 1}\n')
+    h200.archive_logs(str(work), str(tmp_path / "logs.tar.gz"))
+    import tarfile
+    with tarfile.open(tmp_path / "logs.tar.gz") as tar:
+        assert set(tar.getnames()) == {"logs/moe_train.stdout", "runs/replay/metrics.jsonl"}
 
 
 @pytest.mark.slow

@@ -14,9 +14,12 @@ planned seconds are estimates until it has.
     python tests/gpu/h200.py --only kernel,fsdp_offload     # some of the checks
 
 Every check runs in processes of its own (the GPU's memory is free again for the next) and prints one JSON line:
-its status (ok, failed or skipped), its planned and measured seconds and its figures; a summary line follows,
-and the exit status is 1 when a check failed. A global deadline (--deadline, 480 s from the start) skips the
-checks that no longer fit in what is left of it (skipped, not failed), and cuts one that runs into it (failed).
+its status (ok, failed, cut or skipped), its planned and measured seconds and its figures; a summary line
+follows, and the exit status is 1 when a check failed. A global deadline (--deadline, 480 s from the start; on
+the CPU 4x) skips the checks that no longer fit in what is left of it (skipped, not failed), and cuts one that
+runs into it (cut: out of time, not failed). The layers check sizes its rows from the memory the GPU reports
+free: a row its plan says cannot fit is skipped with the reason, never run into an out-of-memory error (an
+H100's 80 GiB takes the 32k row, an H200 both; --dry-run lists them for each card).
 
 The checks, in the order they run, that of what they teach (planned seconds on one H200, start-up
 included: CHECKS; the deadline cuts the last first):
@@ -461,23 +464,13 @@ def headline_plan() -> dict:
             "budget_gib": round(141e9 * (1 - plan.RESERVE) / 2**30, 2)}
 
 
-def part_layers(ctx: Ctx) -> dict:
-    """qwen3_30b_layers, in this process (see the module's docstring)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def layers_config(ctx: Ctx):
+    """The layers check's model: Qwen3-30B-A3B's config.json with the ulorl preset's YaRN, cut to LAYERS layers
+    (at toy width on the CPU)."""
+    from transformers import AutoConfig
     import config as config_lib
-    import distributed
     import model as model_lib
-    import plan
-    import seqpar
-    import ulorl
-    from engine_gap import Watch
-    cuda = ctx.device == "cuda"
     config = AutoConfig.from_pretrained(QWEN3_30B)
-    out = {"part": "qwen3_30b_layers", "ok": False, "error": None}
-    if problems := shape_problems(config):
-        out["error"] = "; ".join(problems)
-        return out
     preset = config_lib.PRESETS["ulorl"]
     for key, value in model_lib.yarn_overrides(config, preset["rope_scaling_factor"],
                                                preset["rope_original_max_positions"]).items():
@@ -485,6 +478,38 @@ def part_layers(ctx: Ctx) -> dict:
     for key, value in {"num_hidden_layers": ctx.size["layers"], "output_router_logits": False,
                        **ctx.size["layer_shape"]}.items():
         setattr(config, key, value)
+    return config
+
+
+NEED_OVER_PLAN = 1.25  # what a layers row may take over its plan (the plan's own tolerance) before it runs
+CARDS = {"H100 (80 GiB)": 79.2 * 2**30, "H200 (141 GB)": 139.8 * 2**30}  # what mem_get_info leaves free on each
+
+
+def row_needs(ctx: Ctx) -> dict[int, float]:
+    """Bytes each layers row may take: the plan of its model and row, NEED_OVER_PLAN times."""
+    import plan
+    shape = plan.Shape.of(layers_config(ctx))
+    return {tokens: NEED_OVER_PLAN * plan.make_plan(shape, update_config(ctx.device, tokens, 64, "--plan"), 1, 1,
+                                                  True).trainer_total
+            for tokens in sorted(ctx.size["layer_rows"])}
+
+
+def part_layers(ctx: Ctx) -> dict:
+    """qwen3_30b_layers, in this process (see the module's docstring)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    import distributed
+    import model as model_lib
+    import plan
+    import seqpar
+    import ulorl
+    from engine_gap import Watch
+    cuda = ctx.device == "cuda"
+    out = {"part": "qwen3_30b_layers", "ok": False, "error": None}
+    if problems := shape_problems(AutoConfig.from_pretrained(QWEN3_30B)):
+        out["error"] = "; ".join(problems)
+        return out
+    config, needs = layers_config(ctx), row_needs(ctx)
     cfg0 = update_config(ctx.device, max(ctx.size["layer_rows"]), 64)
     torch.manual_seed(0)
     t0 = time.time()
@@ -501,6 +526,12 @@ def part_layers(ctx: Ctx) -> dict:
     shape = plan.Shape.of(config)
     for tokens, lengths in sorted(ctx.size["layer_rows"].items()):
         cfg = update_config(ctx.device, tokens, 64)
+        if cuda:
+            free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_allocated()  # the model's own counts in its plan
+            if needs[tokens] > free:
+                out["rows"][str(tokens)] = {"lengths": list(lengths), "skipped": (
+                    f"needs ~{needs[tokens] / 2**30:.1f} GiB (its plan x{NEED_OVER_PLAN}), {free / 2**30:.1f} free")}
+                continue
         groups = made_up_group(lengths, config.vocab_size, 64, seed=tokens)
         if cuda:
             torch.cuda.synchronize()
@@ -528,7 +559,7 @@ def part_layers(ctx: Ctx) -> dict:
         del groups
     out["headline_plan"] = headline_plan()
     bad = [f"{t} tokens: {r.get('error') or 'no optimizer step (a NaN/inf loss or gradient)'}"
-           for t, r in out["rows"].items() if r["optimizer_steps"] != 1]
+           for t, r in out["rows"].items() if "skipped" not in r and r["optimizer_steps"] != 1]
     out["ok"] = not bad
     out["error"] = "; ".join(bad) or None
     return out
@@ -749,6 +780,10 @@ def dry_run(ctx: Ctx, selected: list[Check]) -> None:
                 "commands": [check.shell_line(env, cmd) for env, cmd in c.commands(ctx)]}
         if ctx.device == "cpu" and c.cpu:
             line["runs"], line["why"] = False, c.cpu
+        if c.name == "qwen3_30b_layers" and ctx.device == "cuda":  # the rows each card's free memory takes
+            needs = row_needs(ctx)
+            line["rows_on"] = {card: [t for t, need in needs.items() if need <= free] for card, free in CARDS.items()}
+            line["row_need_gib"] = {t: round(need / 2**30, 1) for t, need in needs.items()}
         print(json.dumps(line), flush=True)
     for w in wheels.status(wheels.FOLDER):
         print(json.dumps(w), flush=True)
@@ -802,12 +837,14 @@ ARCHIVE_LIMIT = 15 << 20  # a device call brings back at most 8 files of 16 MiB 
 
 
 def archive_logs(work: str, path: str) -> None:
-    """The tail of every log under `work`/logs, gzipped into `path`, kept under ARCHIVE_LIMIT (tails halved until
-    it fits)."""
+    """The tail of every log under `work`/logs and every run's records (metrics.jsonl) under `work`, gzipped into
+    `path`, kept under ARCHIVE_LIMIT (tails halved until it fits)."""
     import io
     import tarfile
     logs = os.path.join(work, "logs")
     names = sorted(os.path.join(d, f) for d, _, files in os.walk(logs) for f in files) if os.path.isdir(logs) else []
+    names += sorted(os.path.join(d, "metrics.jsonl") for d, _, files in os.walk(work)
+                    if "metrics.jsonl" in files and not d.startswith(logs))
     tail = LOG_TAIL
     while True:
         with tarfile.open(path + ".tmp", "w:gz") as tar:
@@ -824,26 +861,35 @@ def archive_logs(work: str, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+CPU_SLOWER = 4  # --device cpu: its toy sizes on 2 cores, beside another busy process, against a GPU's plan
+
+
 def run_checks(ctx: Ctx, selected: list[Check], deadline: float, t_start: float) -> list[dict]:
     """Each check in turn, one JSON line each: skipped when what is left of the deadline is less than it
-    plans, cut (failed) at the deadline or at 3x its plan."""
+    plans, cut (its own status: it ran out of time, nothing it measured was wrong) at the deadline or at 3x its
+    plan. On the CPU every plan counts CPU_SLOWER times."""
     lines = []
     for c in selected:
         left = deadline - (time.time() - t_start)
+        planned = c.planned_s * (CPU_SLOWER if ctx.device == "cpu" else 1)
         rec = {"check": c.name, "planned_s": c.planned_s}
         t0 = time.time()
         if ctx.device == "cpu" and c.cpu:
             rec.update(status="skipped", ok=None, why=c.cpu)
-        elif left < c.planned_s:
+        elif left < planned:
             rec.update(status="skipped", ok=None, why=f"{left:.0f} s left of the {deadline:.0f} s deadline, it plans "
-                                                    f"{c.planned_s:.0f} s")
+                                                    f"{planned:.0f} s")
         else:
+            limit = min(left, 3 * planned)
             try:
-                got = c.run(ctx, min(left, 3 * c.planned_s))
+                got = c.run(ctx, limit)
             except Exception as e:  # the check's own harness failed: say so, go on with the next
                 got = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             if got.pop("skipped", False):
                 rec.update(status="skipped", ok=None, why=got.get("error"))
+            elif not got.get("ok") and time.time() - t0 >= limit - 1:
+                why = f"cut at {limit:.0f} s ({'the deadline' if limit == left else '3x its plan'})"
+                rec.update({**got, "status": "cut", "ok": None, "why": why})
             else:
                 rec.update(status="ok" if got.get("ok") else "failed", **got)
         rec["wall_s"] = round(time.time() - t0, 1)
@@ -857,6 +903,7 @@ def summary(ctx: Ctx, lines: list[dict], t_start: float, deadline: float = DEADL
     import transformers
     return {"check": "h200", "ok": all(r["status"] != "failed" for r in lines),
             "failed": [r["check"] for r in lines if r["status"] == "failed"],
+            "cut": [r["check"] for r in lines if r["status"] == "cut"],
             "skipped": [r["check"] for r in lines if r["status"] == "skipped"],
             "planned_s": SETUP_S + sum(r["planned_s"] for r in lines), "wall_s": round(time.time() - t_start, 1),
             "deadline_s": deadline,
@@ -872,8 +919,9 @@ def main() -> int:
                    help="cuda: the check; cpu: its code at toy sizes, CUDA-only parts skipped")
     p.add_argument("--only", default="", help="comma-separated checks to run (default: all): "
                                               + ", ".join(c.name for c in CHECKS))
-    p.add_argument("--deadline", type=float, default=DEADLINE_S, help="seconds for everything; a check that no "
-                                                                      "longer fits is skipped")
+    p.add_argument("--deadline", type=float, default=0.0, help="seconds for everything; a check that no longer fits "
+                                                               f"is skipped (default {DEADLINE_S}; --device cpu: "
+                                                               f"{CPU_SLOWER}x that)")
     p.add_argument("--work", default="", help="folder for models, runs and logs (default: a new temporary one)")
     p.add_argument("--out-dir", default="", help="folder for what to bring back, written as the check goes: "
                                                  "results.jsonl (every JSON line), summary.json and logs.tar.gz (the "
@@ -884,8 +932,9 @@ def main() -> int:
     if unknown := sorted(set(only) - {c.name for c in CHECKS}):
         p.error(f"--only {args.only}: no check {', '.join(unknown)}; the checks: {', '.join(c.name for c in CHECKS)}")
     selected = [c for c in CHECKS if not only or c.name in only]
-    if args.deadline <= 0:
+    if args.deadline < 0:
         p.error(f"--deadline {args.deadline}: must be > 0 seconds")
+    args.deadline = args.deadline or DEADLINE_S * (CPU_SLOWER if args.device == "cpu" else 1)
     ctx = Ctx(args.device, os.path.abspath(args.work or (os.path.join(tempfile.gettempdir(), "ulorl_h200") if
                                                          args.dry_run else tempfile.mkdtemp(prefix="ulorl_h200_"))))
     if args.part:
