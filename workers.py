@@ -76,14 +76,14 @@ def _serve(conn, memory_mb: int) -> None:
             return
         for i, ref, response, answer in chunk:
             try:
-                score = float(_load(ref)(response, answer))
+                score, error = float(_load(ref)(response, answer)), None
                 if not 0.0 <= score <= 1.0:  # NaN fails this too: a reward is a score in [0, 1], or an error
                     raise ValueError(f"the verifier returned {score!r}, not a score in [0, 1]")
-                conn.send((i, score, None))
             except Exception as e:  # any model output or verifier bug scores 0; the parent counts it
-                conn.send((i, 0.0, f"{ref}: {type(e).__name__}: {e}"))
-            if rss_mb() > RECYCLE_MB:
-                conn.send("recycle")  # the rest of the chunk goes to a fresh worker
+                score, error = 0.0, f"{ref}: {type(e).__name__}: {e}"
+            last = rss_mb() > RECYCLE_MB  # with its answer, in one message: the rest goes to a fresh worker
+            conn.send((i, score, error, last))
+            if last:
                 return
 
 
@@ -179,18 +179,17 @@ def run(tasks: list[tuple[str, str, str]], timeout: float, workers: int, batch_t
             if msg == "ready":
                 w.ready = True
                 continue
-            if msg == "recycle":  # it answered its check, and holds too much memory for the next
-                _replace(w, todo, started=0)
-                continue
             if msg == "setup":  # the check starts a sandboxed scorer first
                 w.deadline = time.monotonic() + timeout + SETUP_S
                 continue
-            i, score, error = msg
+            i, score, error, last = msg
             scores[i] = score
             if error:
                 errors.append(error)
             w.pending.remove(i)
             w.deadline = time.monotonic() + timeout  # the clock runs per check, not per chunk
+            if last:  # it answered, and holds too much memory for the next: its unstarted checks go first in line
+                _replace(w, todo, started=0)
         now = time.monotonic()
         for w in list(POOL):
             if w.pending and now > w.deadline and not w.conn.poll():  # unread results: not stuck

@@ -197,7 +197,8 @@ def test_a_worker_left_near_its_memory_cap_is_replaced_before_the_next_check(mon
     worker ends after answering, and the rest of its chunk goes to a fresh one, with no error counted."""
     monkeypatch.setitem(reward.VERIFIERS, "hoard", hoard)
     monkeypatch.setitem(reward.VERIFIERS, "resident", resident)
-    items = [("resident", "", "")] + [("hoard", "700", ""), ("resident", "", ""), ("resident", "", "")] * 2
+    items = [("hoard", "700", ""), ("resident", "", "")] * 3 + [("resident", "", "")] * 2
+    workers.close_pool()  # one worker, chunks of two: each hoarder's chunk-mate moves to a fresh worker
     scores, metrics = score_batch(items, workers=1)
     checked = [score for score, (verifier, _, _) in zip(scores, items) if verifier == "resident"]
     assert all(0 < score < workers.RECYCLE_MB / workers.MEMORY_MB / 2 for score in checked), scores  # each one ran
