@@ -661,7 +661,8 @@ def test_h200_dry_run():
     for c in flags:
         assert (c.engine, c.device, c.dtype, c.attn_implementation) == ("hf", "cuda", "bfloat16", "varlen")
         assert c.pack and c.gradient_checkpointing and c.model == check.HUB["moe"] and c.steps == check.ROUTING_STEPS
-    [(_, fsdp)] = commands["fsdp_offload"]
+    [(_, fsdp), (_, offload)] = commands["fsdp_offload"]  # the part, then the optimizer step at all the cores
+    assert offload[offload.index("--threads") + 1] == str(len(os.sched_getaffinity(0)))
     assert fsdp[1:3] == ["-m", "torch.distributed.run"] and fsdp[fsdp.index("--nproc-per-node") + 1] == "1"
     assert fsdp[fsdp.index("--part") + 1] == "fsdp_offload"
     for name in ("decode", "segments"):
@@ -835,6 +836,7 @@ def test_h200_on_cpu(tmp_path):
     _, gradients, layers, fsdp, summary = lines
     assert gradients["status"] == "ok" and len(gradients["held_mib"]) == 3 and gradients["held_over_shard"] < 1.25
     assert fsdp["status"] == "ok" and fsdp["optimizer_steps"] == 1 and fsdp["weights_moved"] >= check.LR / 2
+    assert fsdp["offload_step"]["step_s_1"] > 0 and fsdp["offload_step"]["threads"] == len(os.sched_getaffinity(0))
     assert fsdp["shard_devices"] == {"cpu": sum(fsdp["shard_devices"].values())} and fsdp["off_device"] == []
     assert fsdp["sent_devices"] == {"cpu": fsdp["sent_tensors"]} and fsdp["sent_tensors"] > 2 * check.MOE["num_experts"]
     with open(fsdp["tensor_devices"]) as f:

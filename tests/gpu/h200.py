@@ -47,7 +47,8 @@ included: CHECKS; the deadline cuts the last first):
   fsdp_offload      one FSDP2 rank (torchrun --nproc-per-node 1) over cpu:gloo,cuda:nccl with the optimizer in
                     host memory (CPUOffloadPolicy): sharded loading of that MoE, one update (ulorl.update), and
                     every tensor the weight sync would send (weight_sync.HFSource, as the NCCL sender gets
-                    them): each must be on the GPU, whatever host memory its shard was gathered in
+                    them): each must be on the GPU, whatever host memory its shard was gathered in; then the
+                    benchmarks' offload mode on the node's CPU: AdamW's step with 1 thread against all its cores
   decode            the decode-step cost against busy rows 1-256 for a random 1.4B dense Qwen3 (2048 x 28,
                     Qwen3-1.7B's width and depth) with the transformers engine: the benchmarks' decode mode
                     (BENCH) with --device cuda
@@ -97,7 +98,7 @@ SIZES = {
                  # 512 tokens a segment: a random model's ~256-token responses in one or two, the tail in more
                  train=["--max-response-len", "4096", "--segments", "8"],
                  layers=2, layer_rows={32768: (4096, 12288, 16384), 131072: check.KERNEL_LONG_ROW},
-                 layer_shape={}, fsdp_rows=(2048, 1024, 512, 512),
+                 layer_shape={}, fsdp_rows=(2048, 1024, 512, 512), offload=["--millions", "100", "--rounds", "3"],
                  decode=["--models", "2048x28", "--rows", DECODE_ROWS, "--tokens", "17", "--rounds", "3"],
                  segments_shape=(1024, 12), segments=["--segments", "1,2,4", "--warmup", "4", "--rounds", "1",
                                                       "--chunk", "4"]),
@@ -107,7 +108,7 @@ SIZES = {
                 layers=1, layer_rows={1024: (256, 768), 2048: (512, 512, 1024)},
                 layer_shape=dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=1, head_dim=16,
                                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, vocab_size=2048),
-                fsdp_rows=(128, 64, 64, 32),
+                fsdp_rows=(128, 64, 64, 32), offload=["--millions", "2", "--tensors", "4", "--rounds", "2"],
                 decode=["--models", "64x2", "--rows", "1,2", "--tokens", "3", "--rounds", "1"],
                 segments_shape=(64, 2), segments=["--segments", "1,2", "--warmup", "1", "--rounds", "1",
                                                   "--chunk", "1"]),
@@ -298,6 +299,26 @@ def fsdp_commands(ctx: Ctx, part: str = "fsdp_offload") -> list:
 gradient_commands = functools.partial(fsdp_commands, part="grad_memory")
 
 
+def offload_commands(ctx: Ctx) -> list:
+    """fsdp_offload's part, then the offloaded optimizer step on the node's CPU with 1 thread against all its cores
+    (the benchmarks' offload mode): what torchrun's OMP_NUM_THREADS=1 cost a rank before each took its share."""
+    cores = str(len(os.sched_getaffinity(0)))
+    return fsdp_commands(ctx) + [(base_env(ctx), ctx.bench("offload", "--threads", cores, *ctx.size["offload"]))]
+
+
+def offload_run(ctx: Ctx, timeout: float) -> dict:
+    """fsdp_offload's record, with the optimizer step's threads figure beside it (a failed benchmark fails it)."""
+    start = time.time()
+    rec = part_run("fsdp_offload", fsdp_commands, ctx, timeout)
+    [_, (env, cmd)] = offload_commands(ctx)
+    step = run_json(cmd, env, max(1.0, timeout - (time.time() - start)), os.path.join(ctx.work, "logs", "offload"),
+                    ("bench", "offload"))
+    if step.get("bench") != "offload":
+        rec.update(ok=False, error="; ".join(filter(None, [rec.get("error"), f"offload step: {step.get('error')}"])))
+    rec["offload_step"] = {k: v for k, v in step.items() if k not in ("bench", "rc")}
+    return rec
+
+
 def layers_commands(ctx: Ctx) -> list:
     return [(base_env(ctx), ctx.part("qwen3_30b_layers"))]
 
@@ -363,7 +384,7 @@ CHECKS = [
     Check("kernel", 30, kernel_commands, kernel_run, cpu="varlen is CUDA-only (tests/test_gpu_check.py runs the "
                                                          "harness on CPU with sdpa)"),
     Check("moe_train", 100, train_commands, moe_train_run),
-    Check("fsdp_offload", 45, fsdp_commands, functools.partial(part_run, "fsdp_offload", fsdp_commands)),
+    Check("fsdp_offload", 45, offload_commands, offload_run),
     Check("decode", 45, decode_commands, decode_run),
     Check("segments", 65, segments_commands, segments_run),
 ]
