@@ -367,11 +367,17 @@ def save_weights(lm, weights, tokenizer, dest: "Folder | str", max_shard_bytes: 
             f.write(json.dumps({"metadata": {"total_size": total},
                                 "weight_map": {k: final[v] for k, v in weight_map.items()}}, indent=2).encode())
         digests["model.safetensors.index.json"] = f.digest()
+    return {**digests, **save_library_files(lm, tokenizer, dest, dtype)}
+
+
+def save_library_files(lm, tokenizer, dest: Folder, dtype: torch.dtype | None) -> dict[str, dict]:
+    """What the libraries write themselves (config, generation config, tokenizer), into a private folder in TMPDIR
+    first, then into `dest` through HashingWriter: a library opens paths, and would follow a link planted in
+    --out. Returns each file's size and sha256."""
     config = copy.deepcopy(lm.config)
     if dtype is not None:
         config.dtype = dtype
-    # what the libraries write themselves (config, generation config, tokenizer) goes to a private folder first,
-    # then into `dest` through HashingWriter: a library opens paths, and would follow a link planted in --out
+    digests = {}
     with in_tmpdir():
         folder = tempfile.TemporaryDirectory(prefix="ulorl_save_")
     with folder as private:

@@ -14,15 +14,12 @@ Bad rows are never skipped silently: a dataset that quietly loses half its rows 
 than the run says. Every error names the source, the row and the field.
 UloRL's data cleaning (section 3.4) is clean.py.
 """
-import ctypes
 import functools
 import json
 import math
 import os
 import random
 import sys
-import threading
-import time
 
 import verifiers
 import sandbox
@@ -318,49 +315,10 @@ def read_objects(source: str, split: str = "train", limit: int | None = None) ->
 
 # A chat template is code from the model's folder (a checkpoint's, which whoever can write --out could plant),
 # run by jinja's sandbox, which keeps it from files and attributes but not from looping: nested range() loops
-# run for hours. Its rendering is bounded in time: a watchdog thread raises TemplateTimeout in the rendering
-# thread once TEMPLATE_SECONDS pass (an asynchronous exception, delivered between the template's Python
-# bytecodes, so a loop of any depth stops; SIGALRM would serve the main thread only, and --overlap draws prompts
-# in the rollout thread). Cost: 0.7 us a prompt, 0.07 s over 100k rows (measured; rendering the tiny template and
+# run for hours. Its rendering is bounded in time (sandbox.bounded: a watchdog thread's asynchronous exception,
+# in any thread). Cost: 0.7 us a prompt, 0.07 s over 100k rows (measured; rendering the tiny template and
 # tokenizing it take ~35 us), and the watchdog's 10 wake-ups a second.
 TEMPLATE_SECONDS = 10.0
-
-
-class TemplateTimeout(Exception):
-    pass
-
-
-_deadlines: dict[int, float] = {}  # thread id -> when its rendering must end
-_watch_lock = threading.Lock()
-_watchdog: list[threading.Thread] = []
-
-
-def _watch() -> None:
-    while True:
-        time.sleep(0.1)
-        with _watch_lock:
-            for thread, deadline in [*_deadlines.items()]:
-                if time.monotonic() > deadline:
-                    del _deadlines[thread]
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
-                                                               ctypes.py_object(TemplateTimeout))
-
-
-def bounded(render, seconds: float):
-    """render(), stopped with TemplateTimeout after `seconds` (its Python code, not a C call in it)."""
-    thread = threading.get_ident()
-    with _watch_lock:
-        if not _watchdog:
-            _watchdog.append(threading.Thread(target=_watch, name="template watchdog", daemon=True))
-            _watchdog[0].start()
-        _deadlines[thread] = time.monotonic() + seconds
-    try:
-        return render()
-    finally:
-        with _watch_lock:
-            fired = _deadlines.pop(thread, None) is None
-        if fired:  # raised, or still on its way: never to arrive after this call
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), None)
 
 
 def template_file(tokenizer) -> str:
@@ -382,9 +340,9 @@ def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     check_messages(messages, "encode_prompt")
     try:
-        text = bounded(lambda: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                       TEMPLATE_SECONDS)
-    except TemplateTimeout:
+        text = sandbox.bounded(lambda: tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                     add_generation_prompt=True), TEMPLATE_SECONDS)
+    except sandbox.TimeLimit:
         raise ValueError(f"{template_file(tokenizer)}: its chat template ran over {TEMPLATE_SECONDS:g} s on one "
                          f"prompt (a template that loops); refused") from None
     except Exception as e:  # the template's own error (jinja's, raise_exception's): the file that holds it

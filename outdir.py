@@ -217,6 +217,22 @@ class TmpdirError(OSError):
     """A write to TMPDIR (where a library writes what is then copied into --out) refused: its filename is TMPDIR."""
 
 
+def folder_identity(out: Folder) -> tuple[str, int, int]:
+    """What same_folder compares: this machine, and the held folder's device and inode."""
+    st = os.fstat(out.fd)
+    return socket.gethostname(), st.st_dev, st.st_ino
+
+
+def same_folder(out: Folder, ranks: list[tuple[str, int, int]]) -> None:
+    """Every rank's --out is rank 0's folder: on rank 0's machine the same device and inode, on another (a shared
+    file system, another device number there) the same inode. `ranks`: folder_identity of each rank."""
+    host, dev, ino = ranks[0]
+    for r, (h, d, i) in enumerate(ranks):
+        if i != ino or (h == host and d != dev):
+            raise ValueError(f"--out {out.path} is not the same folder on rank {r} ({h}) as on rank 0 ({host}): "
+                             f"every rank writes its optimizer state into rank 0's --out; give them one folder")
+
+
 def write_error(e: OSError, what: str, out: Folder) -> ValueError | None:
     """A user's error, not a traceback, for a write that the machine refused (full disk, quota, read-only or
     forbidden --out, or TMPDIR): what failed, where, and what is safe. None for any other error."""

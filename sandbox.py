@@ -48,6 +48,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -447,6 +448,48 @@ def refusal(source, allowed) -> str | None:
         if why := _too_big(node):
             return why
     return None
+
+
+# ------------------------------------------------------------------- untrusted Python run in this process
+
+class TimeLimit(Exception):
+    pass
+
+
+_deadlines: dict[int, float] = {}  # thread id -> when its rendering must end
+_watch_lock = threading.Lock()
+_watchdog: list[threading.Thread] = []
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(0.1)
+        with _watch_lock:
+            for thread, deadline in [*_deadlines.items()]:
+                if time.monotonic() > deadline:
+                    del _deadlines[thread]
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
+                                                               ctypes.py_object(TimeLimit))
+
+
+def bounded(run, seconds: float):
+    """run(), stopped with TimeLimit after `seconds` in whatever thread calls it (its Python code, not a C call in
+    it): a watchdog thread raises an asynchronous exception there, delivered between bytecodes, so a loop of any
+    depth stops (SIGALRM would serve the main thread only, and --overlap draws prompts in the rollout thread)."""
+    thread = threading.get_ident()
+    with _watch_lock:
+        if not _watchdog:
+            _watchdog.append(threading.Thread(target=_watch, name="time-limit watchdog", daemon=True))
+            _watchdog[0].start()
+        _deadlines[thread] = time.monotonic() + seconds
+    try:
+        return run()
+    finally:
+        with _watch_lock:
+            fired = _deadlines.pop(thread, None) is None
+        if fired:  # raised, or still on its way: never to arrive after this call
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), None)
+
 
 
 def _names(code) -> set[str]:

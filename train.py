@@ -20,7 +20,6 @@ import functools
 import os
 import random
 import signal
-import socket
 import sys
 import time
 
@@ -238,23 +237,8 @@ def claim_out(cfg: Config, lead: bool) -> tuple[str | None, outdir.Folder, objec
         run_id = outdir.begin_run(out, resume_from, new_id)
     distributed.barrier()
     out = out or outdir.Folder.at(cfg.out)  # made by rank 0
-    same_folder(out, distributed.gather_objects(folder_identity(out)))
+    outdir.same_folder(out, distributed.gather_objects(outdir.folder_identity(out)))
     return resume_from, out, out_lock, distributed.broadcast(run_id)
-
-
-def folder_identity(out: outdir.Folder) -> tuple[str, int, int]:
-    st = os.fstat(out.fd)
-    return socket.gethostname(), st.st_dev, st.st_ino
-
-
-def same_folder(out: outdir.Folder, ranks: list[tuple[str, int, int]]) -> None:
-    """Every rank's --out is rank 0's folder: on rank 0's machine the same device and inode, on another (a shared
-    file system, another device number there) the same inode. `ranks`: folder_identity of each rank."""
-    host, dev, ino = ranks[0]
-    for r, (h, d, i) in enumerate(ranks):
-        if i != ino or (h == host and d != dev):
-            raise ValueError(f"--out {out.path} is not the same folder on rank {r} ({h}) as on rank 0 ({host}): "
-                             f"every rank writes its optimizer state into rank 0's --out; give them one folder")
 
 
 def set_up(cfg: Config) -> Run | None:

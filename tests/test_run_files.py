@@ -385,13 +385,13 @@ def test_every_rank_must_hold_rank_0s_folder(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     with outdir.Folder.at(str(tmp_path / "a")) as a, outdir.Folder.at(str(tmp_path / "b")) as b:
-        same = train.folder_identity(a)
-        train.same_folder(a, [same, same])
+        same = outdir.folder_identity(a)
+        outdir.same_folder(a, [same, same])
         other_host = ("node-2", same[1] + 1, same[2])  # a shared file system: another device number there
-        train.same_folder(a, [same, other_host])
-        for wrong in (train.folder_identity(b), ("node-2", same[1], train.folder_identity(b)[2])):
+        outdir.same_folder(a, [same, other_host])
+        for wrong in (outdir.folder_identity(b), ("node-2", same[1], outdir.folder_identity(b)[2])):
             with pytest.raises(ValueError, match=f"--out {a.path} is not the same folder on rank 1"):
-                train.same_folder(a, [same, wrong])
+                outdir.same_folder(a, [same, wrong])
 
 
 def manifest_run(path) -> str:
