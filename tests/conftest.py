@@ -26,6 +26,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def real_set_num_threads():
+    """vLLM's CPU worker, started in this process, replaces torch.set_num_threads with a no-op that only warns,
+    for the rest of the process: every later test that sets threads would silently run at whatever was set."""
+    yield
+    torch.set_num_threads = torch._C.set_num_threads
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL `proc` and everything it started: its process group (it was started in a session of its own: vLLM's
     engine, reward workers) and every process below it, also those in sessions of their own (torchrun starts each
