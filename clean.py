@@ -49,7 +49,7 @@ def long_answer(answer: str, max_chars: int) -> str | None:
 def generate(model_name: str, rows: list[dict], n: int, args) -> list[list[str]]:
     """n responses per row from `model_name` through the rollout engine (greedy when args.temperature == 0)."""
     import model as model_lib
-    from engine import Sampling, make_engine
+    from systems.engine import Sampling, make_engine
     policy, tokenizer = model_lib.load(model_name, args.dtype, args.device)
     engine = make_engine(args.engine, policy.eval(), tokenizer, args.seed, path=model_name,
                          max_model_len=args.max_prompt_len + args.max_tokens, device=args.device, dtype=args.dtype)

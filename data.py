@@ -22,7 +22,7 @@ import random
 import sys
 
 import verifiers
-import sandbox
+from systems import sandbox
 import tiny
 
 SUFFIXES = (".jsonl", ".json", ".parquet")

@@ -1,4 +1,4 @@
-"""Evaluation: avg@k, pass@k and maj@k of a model on a benchmark, sampled with the engines (engine.py) and
+"""Evaluation: avg@k, pass@k and maj@k of a model on a benchmark, sampled with the engines (systems/engine.py) and
 scored with the verifiers (reward.py, verifiers.py) that training uses. Writes a JSON report and prints a small table.
 
     python eval.py                                    # the shipped tiny checkpoint on the tiny held-out set
@@ -38,13 +38,13 @@ import torch
 from tqdm import tqdm
 
 import data
-import engine as engine_lib
+from systems import engine as engine_lib
 import model as model_lib
-import placement
+from systems import placement
 import reward
 import verifiers
 import tiny
-from engine import Sampling
+from systems.engine import Sampling
 from segment_rollout import Pools, Sample, rollout_step
 
 # The papers' evaluation settings (UloRL: avg@32; ProRL: pass@1 over 16); the flags override them.

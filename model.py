@@ -1,8 +1,8 @@
 """The model side of the trainer: loading the model and tokenizer (YaRN flags; sharded under FSDP), the
 micro-batch layout (`MicroBatch`, `micro_batches`, `collate`) and the forward pass to response log-probs
 (`response_logprobs`, as the module `Policy` that DDP/FSDP2 wrap). The systems features wrap that forward from
-files of their own (`wrap`): seqpar.py (sequence parallelism, packed attention), routing.py (MoE routing replay),
-distributed.py (FSDP2/DDP).
+files of their own (`wrap`): systems/seqpar.py (sequence parallelism, packed attention), systems/routing.py (MoE routing replay),
+systems/distributed.py (FSDP2/DDP).
 """
 import functools
 import itertools
@@ -15,10 +15,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import data
-import distributed
+from systems import distributed
 import loss
-import routing
-import seqpar
+from systems import routing
+from systems import seqpar
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

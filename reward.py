@@ -1,4 +1,4 @@
-"""Rewards (step 3): every finished sample's verifier score, computed in killable worker processes (workers.py),
+"""Rewards (step 3): every finished sample's verifier score, computed in killable worker processes (systems/workers.py),
 the generative verifier's verdict where it is asked (UloRL 3.3: `Judge`), then overlong handling (UloRL gives a
 truncated sample 0, DAPO a soft penalty). Training and evaluation both score through `score_samples`. The
 verifiers themselves, one per data domain, are in verifiers.py.
@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-import workers as pool  # score_batch's `workers` is a count
+from systems import workers as pool  # score_batch's `workers` is a count
 from verifiers import MAX_ANSWER_CHARS, VERIFIERS, extract_answer, final_answer, final_text
 from verifiers import math_equal  # noqa: F401 (reward.extract_answer and reward.math_equal are public names)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import data
 import reward
 import ulorl
-from engine import Sampling
+from systems.engine import Sampling
 from segment_rollout import Pools, Sample, rollout_step
 from ulorl import RunState
 

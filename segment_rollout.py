@@ -1,5 +1,5 @@
 """Segment rollout, UloRL Algorithm 1: the `Sample` record, the unfinished and experience pools, and one
-rollout step over any engine (engine.py: anything with `generate(prompts, max_tokens, sampling, keys)`).
+rollout step over any engine (systems/engine.py: anything with `generate(prompts, max_tokens, sampling, keys)`).
 
 A response of up to `max_len` tokens is decoded at most `segment_len` tokens per RL step. A sample that
 hits the segment cap waits in the unfinished pool and continues at the next step, possibly under newer

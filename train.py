@@ -6,7 +6,7 @@
     torchrun --standalone --nproc-per-node 2 train.py --parallel fsdp   # trainer ranks: FSDP2 (or ddp)
 
 Owns the run: loading, the RL loop in the papers' order (`main`, its steps numbered as in ulorl.py's index)
-and the console line; placement.py decides where everything runs. Under torchrun every process is a trainer
+and the console line; systems/placement.py decides where everything runs. Under torchrun every process is a trainer
 rank; rank 0 also owns the rollout engine, the pools, the data and the logs, and hands every rank the batch.
 """
 from config import Config, parse_config
@@ -26,22 +26,22 @@ import time
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import outdir
+from systems import checkpoint
+from systems import outdir
 import data
 import eval as eval_lib
-import logs
-import distributed
-import seqpar
-from engine_gap import Watch
-from routing import Routing
+from systems import logs
+from systems import distributed
+from systems import seqpar
+from systems.engine_gap import Watch
+from systems.routing import Routing
 import model as model_lib
-import placement
-import plan as plan_lib
+from systems import placement
+from systems import plan as plan_lib
 import reward
-import sandbox
+from systems import sandbox
 import ulorl
-from engine import Sampling, SyncError
+from systems.engine import Sampling, SyncError
 from rollouts import EngineFailure, Rollouts
 from segment_rollout import Pools, Sample
 from ulorl import RunState
@@ -76,7 +76,7 @@ def evaluate_before_training(engine, tokenizer, eval_rows, cfg: Config, judge, s
 
 def sync_weights(engine, lm, dtype: str, ranks, replicas: int = 1) -> None:
     """Step 7, the one place new weights reach the engine: rank 0's engine takes the trainer's module (vLLM
-    through its weight-transfer API, weight_sync.py); the weights are gathered from the FSDP shards a layer
+    through its weight-transfer API, systems/weight_sync.py); the weights are gathered from the FSDP shards a layer
     at a time, cast to the run's `dtype` first (fp32 masters travel as bf16), and every other rank takes its
     part in those gathers: once for each of the `replicas` engines, which take the weights one after the other."""
     if engine is not None:
@@ -214,7 +214,7 @@ class Run:
     def reset_reference(self) -> None:  # ProRL: reference <- policy, fresh AdamW moments
         ulorl.reset_reference(self.lm, self.ref_lm, self.opt, self.ref)
 
-    def watch(self) -> Watch:  # the step's engine/trainer gap check (engine_gap.py), fed by the update
+    def watch(self) -> Watch:  # the step's engine/trainer gap check (systems/engine_gap.py), fed by the update
         return Watch(self.cfg, self.state.engine_kl, self.lm)
 
     def memory_peaks(self) -> dict:  # the memory/* metrics

@@ -1,8 +1,8 @@
 """Verifiers: a response text and a row's reference answer to a reward, one function `(response, answer) -> float`
 per data domain, named by a row's `verifier` field through `VERIFIERS`: math answer equivalence
 (`math_reward`, math-verify), the tiny built-in task, Reasoning Gym's scorers (in the sandbox), sandboxed code
-tests (sandbox.py) and instruction-following constraints (`CONSTRAINTS`). `final_answer` is each verifier's
-final answer (what maj@k votes with). They run in reward workers (workers.py): module-level functions only.
+tests (systems/sandbox.py) and instruction-following constraints (`CONSTRAINTS`). `final_answer` is each verifier's
+final answer (what maj@k votes with). They run in reward workers (systems/workers.py): module-level functions only.
 """
 import ast
 import functools
@@ -16,8 +16,8 @@ from fractions import Fraction
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-import sandbox
-import workers
+from systems import sandbox
+from systems import workers
 
 # ---------------------------------------------------------------------------- answer extraction
 

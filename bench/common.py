@@ -64,7 +64,7 @@ def run_chunk(flags: list[str], out: str, steps: int, log, bucket: bool = True) 
         with open(path) as f:
             done = max((json.loads(line)["step"] for line in f if line.strip()), default=0)
     cfg = train.parse_config(flags + ["--out", out, "--steps", str(steps), "--resume", "auto"])
-    import placement
+    from systems import placement
     make = placement.rollout_engine
     placement.rollout_engine = lambda *a, **kw: CountingEngine(unbucketed(make(*a, **kw), bucket), COUNTS)
     try:

@@ -52,7 +52,7 @@ def decode_point(point: str, rows: list[int], tokens: int, rounds: int, device: 
             llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5, 6 + i % 8]) for i in range(n)], params,
                          use_tqdm=False)
     else:
-        from engine import HFEngine, Sampling
+        from systems.engine import HFEngine, Sampling
         import model as model_lib
         lm, tok = model_lib.load(path, device=device)
         eng = HFEngine(lm, [], tok.pad_token_id, seed=0)  # no stop id: every row decodes its whole budget

@@ -1,4 +1,4 @@
-"""`python -m bench plan`: the memory plan (plan.py) against measured peaks on this CPU, host memory standing in
+"""`python -m bench plan`: the memory plan (systems/plan.py) against measured peaks on this CPU, host memory standing in
 for the device's. `check` runs short trainings and compares train.py's memory/* records with the plan;
 `load`, under torchrun, measures one rank's host-memory peak while loading the policy for FSDP2.
 
@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 
-import plan as plan_lib
+from systems import plan as plan_lib
 from bench.common import ROOT
 
 BRIEF = [{"type": "min_words", "n": 1}, {"type": "max_words", "n": 4}]  # an ifeval answer: 1 to 4 words
@@ -221,10 +221,10 @@ def measure_update(model: str, flags: list[str]) -> list[dict]:
     import torch
     import torch.distributed as dist
     import config
-    import distributed
+    from systems import distributed
     import model as model_lib
-    import placement
-    import seqpar
+    from systems import placement
+    from systems import seqpar
     import ulorl
     return_frees()
     cfg = config.parse_config(["--model", model, *flags])
@@ -336,7 +336,7 @@ def measure_load(model: str, whole: bool) -> list[dict]:
     import torch.distributed as dist
 
     import model as model_lib
-    import placement
+    from systems import placement
     dist.init_process_group("gloo")
     before = plan_lib.reset_host_peak()
     if whole:

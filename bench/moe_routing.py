@@ -41,8 +41,8 @@ def routing_point(spec: str, dtype: str, args) -> dict:
     recorded. A decision is one (position, layer): every position the engine routed, i.e. all but each
     sequence's last; prefill positions are the prompt's, decode positions those that took a sampled token in."""
     import model as model_lib
-    from routing import Routing
-    from engine import HFEngine, Sampling
+    from systems.routing import Routing
+    from systems.engine import HFEngine, Sampling
     from segment_rollout import Sample
     (experts, top_k), (layers, hidden) = (map(int, part.split("x")) for part in spec.split(":"))
     lm = routing_model(experts, top_k, layers, hidden, args.seed).to(getattr(torch, dtype)).eval()
@@ -82,7 +82,7 @@ def count_micro_batch(lm, routing, mb, n: dict, per_layer: torch.Tensor, gaps: d
     """One micro-batch of routing_point: the trainer's forward with its own routing, then with the engine's
     replayed, each against the engine's experts; adds to the counts `n`, `per_layer` and the gaps."""
     import model as model_lib
-    from routing import replay_layout
+    from systems.routing import replay_layout
     layout, versions = replay_layout(mb.samples, mb.starts)  # [layers, positions, top_k]; -1: not routed by the engine
     engine_ids = layout.new_full((layout.shape[0], mb.input_ids.numel(), layout.shape[2]), -1)  # [layers, rows x L, top_k]
     engine_ids[:, :layout.shape[1]] = layout

@@ -37,7 +37,7 @@ def timed(fn):
 def bench_reward(args, _unused: list[str], timeout: float = 5.0) -> dict:
     import reward
     import verifiers
-    import workers
+    from systems import workers
     items = math_items(args.n)
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # as in the workers: no "timeout disabled" noise
     workers.IN_WORKER = True  # the loop checks in this process, as a single-process scorer would

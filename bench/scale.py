@@ -42,7 +42,7 @@ def scale_engine(kind: str, path: str, cap: int):
     """(generate(prompts, budgets, keys) that never stops early, a reset of the engine's prefix cache or None)
     for `kind` on the model at `path`, in this process, sampling at temperature 1 with processed log-probs as
     the training engines do."""
-    from engine import Generation, HFEngine, Sampling, mix64
+    from systems.engine import Generation, HFEngine, Sampling, mix64
     if kind == "vllm":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM, SamplingParams

@@ -16,7 +16,7 @@ from bench.gpu_cost import GPUCost, predicted_speedups
 
 def bucketed_prefill(call) -> int:
     """Prefill positions (rows x width, padding included) of one recorded call under engine.length_buckets."""
-    from engine import length_buckets
+    from systems.engine import length_buckets
     contexts = call[0]
     return sum(len(g) * max(contexts[i] for i in g) for g in length_buckets(contexts))
 

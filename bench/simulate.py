@@ -13,7 +13,7 @@ class LengthEngine:
         self.length, self.calls = length, calls
 
     def generate(self, prompts, max_tokens, sampling, keys):
-        from engine import Generation
+        from systems.engine import Generation
         out = []
         for p, budget, uid in zip(prompts, max_tokens, keys):
             left = self.length(uid) - (len(p) - 4)  # 4 units of prompt

@@ -21,8 +21,8 @@ def _sp_worker(rank: int, world: int, port: int, lengths: list[int], rounds: int
     import torch.distributed as dist
 
     import model as model_lib
-    import seqpar
-    import plan as plan_lib
+    from systems import seqpar
+    from systems import plan as plan_lib
     import tiny
     from segment_rollout import Sample
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py, eval.py, plot.py and tiny.py live one folder up
 
-import outdir  # noqa: E402
+from systems import outdir  # noqa: E402
 import eval as eval_lib  # noqa: E402
 import plot  # noqa: E402
 import tiny  # noqa: E402

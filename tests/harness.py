@@ -17,7 +17,7 @@ import reward
 import tiny
 import train
 import verifiers
-from engine import HFEngine, Sampling
+from systems.engine import HFEngine, Sampling
 from segment_rollout import Pools, rollout_step
 
 # timing, memory and the startup record differ from run to run: never an observable

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from engine import Sampling
+from systems.engine import Sampling
 
 TOL = 1e-5  # fp32 engine (KV cache, left padding) vs one unpadded forward
 PROMPTS = ["3+4=", "1+2+3+4+5+6=", "9=", "5+5+5="]  # 4, 12, 2 and 6 tokens: left padding differs per row

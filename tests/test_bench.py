@@ -182,7 +182,7 @@ def test_enforced_lengths_through_a_real_engine(tok, lm):
     the long tail drew its length, whatever the segments, and a segment's call never decodes past cap / S."""
     from bench.scale import Enforced
     from bench.simulate import long_tail, segment_steps
-    from engine import HFEngine, Sampling
+    from systems.engine import HFEngine, Sampling
     eng = HFEngine(lm, [], tok.pad_token_id, seed=0)
     length = long_tail(1, 24, 8, 0.9)
     for segments in (1, 3):

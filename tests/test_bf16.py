@@ -20,12 +20,12 @@ from safetensors.torch import load_file
 
 from conftest import kill_group, run, start, together
 
-import distributed
+from systems import distributed
 import model as model_lib
 import tiny
 import ulorl
 from config import parse_config
-from engine import HFEngine, Sampling
+from systems.engine import HFEngine, Sampling
 from naive import PROMPTS, ids, make_row
 from segment_rollout import Pools, rollout_step
 

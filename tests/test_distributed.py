@@ -179,7 +179,7 @@ def test_a_rank_that_dies_ends_the_run_and_is_named(tmp_path, victim):
 def _offload_worker(rank, world, port):
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy
-    import placement
+    from systems import placement
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -221,7 +221,7 @@ def _gradient_memory_worker(rank, world, port, out):
     Writes this rank's figures and, from rank 0, the weights before (one process) and after the two updates."""
     import importlib.util
     import torch.distributed as dist
-    import distributed
+    from systems import distributed
     spec = importlib.util.spec_from_file_location("gpu_h200", os.path.join(ROOT, "tests", "gpu", "h200.py"))
     h200 = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(h200)

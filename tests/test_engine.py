@@ -7,9 +7,9 @@ and the segmentation. (vLLM: tests/test_vllm.py.)
 import pytest
 import torch
 
-import distributed
-import engine as engine_lib
-from engine import HFEngine, Sampling
+from systems import distributed
+from systems import engine as engine_lib
+from systems.engine import HFEngine, Sampling
 from naive import PROMPTS, TOL, ids, naive_dists
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -136,7 +136,7 @@ def test_vllm_requests_carry_seeds_on_cpu_only():
     """vLLM samples seeded requests one by one at every decode step (8% of this CPU's decoding, measured by
     `python -m bench seeds`): only its CPU build, where runs resume bit for bit, gets them; a request's seed is
     a function of (engine seed, key, prompt length), 31 bits."""
-    from engine import mix64, request_seeds
+    from systems.engine import mix64, request_seeds
     prompts, keys = [[1, 2, 3], [4, 5]], [7, -3]
     seeds = request_seeds(11, keys, prompts, seeded=True)
     assert seeds == [mix64(11, 7, 3) >> 33, mix64(11, -3, 2) >> 33] and all(0 <= s < 2**31 for s in seeds)
@@ -272,7 +272,7 @@ def test_prefill_keeps_the_logits_of_the_last_position_only():
 
 
 def test_a_vllm_other_than_the_tested_series_stops_the_run_saying_what_to_install():
-    """vLLM 0.33 changed the weight-transfer interface weight_sync.py implements: any version outside 0.32.x stops
+    """vLLM 0.33 changed the weight-transfer interface systems/weight_sync.py implements: any version outside 0.32.x stops
     at start in one line naming the supported series and the install command, whose file pins a version the check
     accepts."""
     import os

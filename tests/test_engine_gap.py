@@ -17,7 +17,7 @@ import torch
 
 from conftest import run, together
 import tiny
-import engine_gap
+from systems import engine_gap
 from config import parse_config
 
 BRIEF = [{"type": "min_words", "n": 1}, {"type": "max_words", "n": 4}]  # an ifeval answer: 1 to 4 words

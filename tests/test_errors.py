@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from conftest import run
-import outdir
+from systems import outdir
 import config
 import data
-import logs
+from systems import logs
 import tiny
-from engine import Sampling, process_logits
+from systems.engine import Sampling, process_logits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--steps", "2", "--eval-n", "8", "--train-groups", "2", "--prompts-per-step", "2", "--max-response-len", "16",

@@ -14,12 +14,12 @@ import torch
 
 from conftest import run
 import data
-import engine as engine_lib
+from systems import engine as engine_lib
 import eval as ev
 import model as model_lib
 import verifiers
 import tiny
-from engine import Sampling
+from systems.engine import Sampling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 torch.set_num_threads(1)  # 2 threads on this tiny model are slower under load

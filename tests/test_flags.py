@@ -17,14 +17,14 @@ import pytest
 import torch
 
 import config
-import engine as engine_lib
+from systems import engine as engine_lib
 import harness
 import model as model_lib
-import placement
+from systems import placement
 import tiny
 import train
 import ulorl
-import workers
+from systems import workers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -330,7 +330,7 @@ def gap_verdict(cfg) -> str:
     """The gap check on 64 tokens the current weights (version 1) sampled, each 0.02 nats apart between engine and
     trainer (KL ~2e-4 a token), after 5 steps at 2e-5 (median under the 5e-5 floor): within the defaults' reach
     (0.1 and 10 x 5e-5); 32 tokens of version 0 far apart, which the check must not count."""
-    from engine_gap import Watch
+    from systems.engine_gap import Watch
     versions = torch.tensor([[1] * 64 + [0] * 32])
     trainer = torch.full((1, 96), -1.0)
     engine = trainer + torch.where(versions == 1, 0.02, 3.0)

@@ -382,7 +382,7 @@ def test_routing_comparison(tmp_path):
     assert "replay widened the engine/trainer gap" in wider["error"]
     noise = check.compare_routing([kl(replay, 1.9 * check.REPLAY_KL_FLOOR), kl(record, 1e-7)])
     assert noise["ok"], "under the floor both are bf16 noise"
-    import engine_gap
+    from systems import engine_gap
     assert check.REPLAY_KL_FLOOR == engine_gap.KL_FLOOR
     assert "the record run did not run" in check.compare_routing([replay])["error"]
     failed = check.compare_routing([replay, dict(record, ok=False, error="exit status 1")])
@@ -794,7 +794,8 @@ def test_h200_weight_sync_without_vllm():
         import json, sys
         sys.modules["vllm"] = None  # as if not installed: import vllm fails
         sys.path.insert(0, "tests/gpu")
-        import h200, torch, tiny, distributed
+        import h200, torch, tiny
+        from systems import distributed
         ws = h200.import_weight_sync()
         lm = tiny.make_moe_model(tiny.make_tokenizer())
         sent = [(n, str(t.device), str(t.dtype)) for n, t in ws.HFSource(lm, torch.bfloat16, torch.device("cpu"))]

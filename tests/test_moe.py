@@ -68,7 +68,7 @@ def weights(out, step):
 def test_moe_trains_with_vllm_in_one_process_and_two_fsdp_ranks(moe, tmp_path):
     """vLLM in this process (one trainer), and under torchrun in processes of their own: rank 0 starts two,
     --rollout-replicas 2, each decoding its share of every round, and new weights reach both through vLLM's
-    weight-transfer API (weight_sync.py's gloo backend), gathered from the FSDP2 shards a layer at a time, once
+    weight-transfer API (systems/weight_sync.py's gloo backend), gathered from the FSDP2 shards a layer at a time, once
     per replica. The same rollouts and weights as one process (a request's draws do not depend on the replica),
     and after every sync the engines' log-probs of the current weights' tokens equal the trainer's (1e-4), also
     for samples continued from the last step: a replica left out of a sync would be off by the update, experts

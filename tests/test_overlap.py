@@ -107,7 +107,7 @@ def test_overlap_needs_an_engine_of_its_own(capsys):
     with pytest.raises(SystemExit):
         config.parse_config(["--overlap", "2"])
     assert "--overlap 2: must be 0 (off) or 1" in capsys.readouterr().err
-    import placement
+    from systems import placement
     with pytest.raises(ValueError, match="overlap needs an engine in a process of its own: --engine vllm"):
         placement.check_overlap(config.parse_config(["--overlap", "1", "--engine", "hf"]))
     with pytest.raises(ValueError, match="use --overlap 0 with a generative verifier"):

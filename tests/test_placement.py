@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from conftest import ROOT, hub_cache, run, run_many
-from routing import routing_dtype
+from systems.routing import routing_dtype
 import model as model_lib
-import placement
-import plan as plan_lib
+from systems import placement
+from systems import plan as plan_lib
 from config import engine_placement, parse_config
 
 QWEN3_30B = os.path.join(ROOT, "tests", "configs", "Qwen3-30B-A3B")  # 32 attention heads, 4 KV heads

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 import harness
 from conftest import kill_group, run, start, together
-import outdir
+from systems import outdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # every group trains (no dynamic sampling): the samples a checkpoint holds unfinished are trained after the crash,
@@ -171,13 +171,13 @@ def test_a_checkpoint_gives_back_every_part_of_the_state_it_saved(tmp_path):
     unfinished samples, the experience pool and the ready groups (every field of every sample), the run state,
     AdamW's moments, the schedule, the engine's, torch's and Python's random streams are what was saved (a run
     decodes only a few of these in a short test: each is compared here as saved)."""
-    import checkpoint
+    from systems import checkpoint
     import config
     import random
     import model as model_lib
     import tiny
     import ulorl
-    from engine import HFEngine, Sampling
+    from systems.engine import HFEngine, Sampling
     from segment_rollout import Pools, Sample
 
     def sample(uid, group, n, finish, version):

@@ -1,4 +1,4 @@
-"""Tests for reward.py, verifiers.py and workers.py: answer extraction, math equivalence (a table of hand-written cases, and
+"""Tests for reward.py, verifiers.py and systems/workers.py: answer extraction, math equivalence (a table of hand-written cases, and
 adversarial inputs), the tiny task, Reasoning Gym and instruction-following rewards, the generative verifier
 (with real, tiny judge models trained here in seconds), overlong handling, and the worker pool's ordering,
 error and timeout accounting. Values are computed by hand. (Code rewards: tests/test_sandbox.py.)
@@ -17,8 +17,8 @@ import pytest
 from conftest import ROOT, run
 import reward
 import verifiers
-import workers
-from sandbox import extract_code
+from systems import workers
+from systems.sandbox import extract_code
 from reward import extract_answer, math_equal, overlong_reward, score_batch
 from verifiers import tiny_reward
 from faulty import boom, die, hang, hoard, number, resident  # verifiers that raise, kill their worker, never return, or lie
@@ -603,7 +603,7 @@ def make_judge(model, tokenizer, mode="second_opinion") -> reward.Judge:
     import functools
 
     import data
-    from engine import Sampling, make_engine
+    from systems.engine import Sampling, make_engine
     return reward.Judge(make_engine("hf", model, tokenizer, 0), functools.partial(data.encode_prompt, tokenizer),
                         functools.partial(tokenizer.batch_decode, skip_special_tokens=True),
                         Sampling(temperature=1.0, top_k=1), mode, control=reward.control_tokens(tokenizer))
@@ -773,7 +773,7 @@ def test_a_math_bomb_hits_the_workers_memory_cap_not_the_machine():
     under the workers' RLIMIT_AS it fails fast with a MemoryError instead, scored 0. A fresh process,
     so that its pool starts with a cap of 256 MB (the default is workers.MEMORY_MB)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = ("import time, reward, workers\n"
+    script = ("import time, reward\nfrom systems import workers\n"
               "workers.MEMORY_MB = 256\n"
               "t = time.time()\n"
               "scores, metrics = reward.score_batch([('math', r'\\boxed{2^{2^{2^{2^{2^{2}}}}}}', '1')], timeout=60)\n"

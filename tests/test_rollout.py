@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import reward
-from engine import HFEngine, Sampling
+from systems.engine import HFEngine, Sampling
 from naive import PROMPTS, TOL, ids, make_row, naive_logprobs
 from segment_rollout import Pools, Sample, rollout_step
 

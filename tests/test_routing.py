@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import config
-from distributed import Ranks
-from engine_gap import Watch
-from routing import Routing, replay_layout, routing_mismatch
+from systems.distributed import Ranks
+from systems.engine_gap import Watch
+from systems.routing import Routing, replay_layout, routing_mismatch
 import model as model_lib
 import tiny
 import ulorl
 from conftest import close_up_to_order, run, together, undocumented_metrics
-from engine import HFEngine, Sampling, vllm_routing
+from systems.engine import HFEngine, Sampling, vllm_routing
 from naive import PROMPTS, ids, make_row
 from segment_rollout import Pools, rollout_step
 
@@ -215,7 +215,7 @@ def test_replay_off_in_a_forward_without_routing():
 
 def test_dense_models_and_vllm_on_cpu_are_refused(tmp_path):
     """Before anything loads (placement.start runs this check right after reading config.json)."""
-    import placement
+    from systems import placement
     dense = config.parse_config(["--routing-replay", "true"])
     with pytest.raises(ValueError, match="--routing-replay true: --model tiny_ckpt has no Mixture-of-Experts layers"):
         placement.check_routing(dense, model_lib.model_config(dense.model))

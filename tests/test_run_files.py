@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from conftest import kill_group, run, run_many, start
-import checkpoint
-import outdir
+from systems import checkpoint
+from systems import outdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--eval-data", "", "--train-groups", "2", "--prompts-per-step", "2", "--max-response-len", "16",
@@ -195,7 +195,7 @@ def test_a_disk_that_fills_says_what_failed_and_what_is_safe(tmp_path):
     assert "error: could not write checkpoint" in p.stderr and "No space left on device" in p.stderr
     assert "trainer_state_rank0.pt" in p.stderr and "the newest, step_000001, resumes with --resume auto" in p.stderr
     import config
-    import plan as plan_lib
+    from systems import plan as plan_lib
     from transformers import AutoConfig
     shape = plan_lib.Shape.of(AutoConfig.from_pretrained(os.path.join(ROOT, "tiny_ckpt")))
     sizes = plan_lib.checkpoint_bytes(shape, config.parse_config([*RUN, "--steps", "2"]), 1)

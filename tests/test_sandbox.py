@@ -1,4 +1,4 @@
-"""Tests for sandbox.py (the code domain's sandbox) and the "code" verifier: hostile programs score 0 and
+"""Tests for systems/sandbox.py (the code domain's sandbox) and the "code" verifier: hostile programs score 0 and
 leave the trainer and the machine as they were; correct programs score 1.
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_sandbox.py
@@ -20,9 +20,9 @@ import pytest
 
 from conftest import run
 import reward
-import sandbox
+from systems import sandbox
 import verifiers
-from sandbox import code_reward, extract_code, run_program
+from systems.sandbox import code_reward, extract_code, run_program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADD_ONE = json.dumps({"inputs": ["1\n", "41\n", "-5\n"], "outputs": ["2\n", "42", "-4\n"]})
@@ -335,7 +335,7 @@ def test_the_trainers_keyring_is_out_of_reach_and_checks_share_none():
     probe = LIBC + (f"print(libc.syscall({syscall('request_key')}, b'user', b'{name}', None, 0), err())\n"
                     f"print(libc.syscall({syscall('add_key')}, b'user', b'{name}-planted', b'x', 1, -3), err())\n"
                     f"print(libc.syscall({syscall('request_key')}, b'user', b'{name}-planted', None, 0), err())\n")
-    trainer = ("import ctypes, json, sys\nimport sandbox\n"
+    trainer = ("import ctypes, json, sys\nfrom systems import sandbox\n"
                "libc = ctypes.CDLL(None, use_errno=True)\n"
                f"assert libc.syscall({syscall('add_key')}, b'user', b'{name}', b'HF_TOKEN', 8, -3) > 0\n"  # session
                "print(json.dumps([sandbox.run_program(sys.argv[1]).stdout for _ in range(2)]))")
@@ -401,7 +401,7 @@ def test_a_nested_user_namespace_cannot_escape_the_limits():
 
 def test_a_non_root_trainer_gets_the_same_isolation():
     """CI runs as root: the trainer's side drops to `nobody` here, with the system's python3 (the pyenv under
-    /root is out of its reach), a copy of bwrap it can run, and sandbox.py and pyseccomp copied where it can
+    /root is out of its reach), a copy of bwrap it can run, and systems/sandbox.py and pyseccomp copied where it can
     read them (the clone may sit in a folder `nobody` cannot enter, as `mktemp -d` makes)."""
     python = "/usr/bin/python3"
     if os.geteuid() != 0 or not os.path.exists(python):
@@ -441,7 +441,7 @@ def test_a_non_root_trainer_gets_the_same_isolation():
 def test_the_sandbox_works_under_the_trainers_umask():
     """train.py runs under umask 077 (its files hold the data's answers): the program's file must still be
     readable by `nobody`, in the probe as in every run. A fresh process: the probe runs once per process."""
-    code = ("import os\nos.umask(0o077)\nimport sandbox\n"
+    code = ("import os\nos.umask(0o077)\nfrom systems import sandbox\n"
             "print(sandbox.available(), sandbox.run_program('print(6 * 7)').stdout.strip())")
     p = run([sys.executable, "-c", code], timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0 and p.stdout == "None 42\n", p.stdout + p.stderr[-2000:]
@@ -484,7 +484,7 @@ def test_reasoning_gym_scores_from_a_virtual_environment(tmp_path):
                 "    return score\n")
     with open(os.path.join(site, "ulorl_venv_compare.py"), "w") as f:
         f.write("def same(a, b):\n    return float(a == b)\n")
-    code = ("import json, sys\nimport data, sandbox, verifiers\n"
+    code = ("import json, sys\nimport data, verifiers\nfrom systems import sandbox\n"
             "server = sandbox.Server('ulorl_venv_scorer:make')\n"
             "print(server.call('ok', ['ok', {}], ['ok', {}], set()), server.call('ok', ['no', {}], ['ok', {}], set()))\n"
             "row = data.rg_rows('rg:countdown:4', 0)[0]\n"

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from routing import Routing
-import seqpar
+from systems.routing import Routing
+from systems import seqpar
 import model as model_lib
 import tiny
 from conftest import close_up_to_order, free_port, run, spawn, together
@@ -153,7 +153,7 @@ def test_sequence_parallel_refuses_what_it_cannot_split(monkeypatch, capsys):
     """In process: the checks train.py runs first (parse_config's, whose argparse error exits 2, and
     placement.start's, whose ValueError train.py prints and exits 1 with, as tests/test_placement.py checks)."""
     import config
-    import placement
+    from systems import placement
     with pytest.raises(SystemExit) as refused:
         config.parse_config(["--sp", "2"])
     assert refused.value.code == 2

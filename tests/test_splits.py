@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 
 import config
-import distributed
+from systems import distributed
 import harness
 import model as model_lib
-import placement
-import seqpar
+from systems import placement
+from systems import seqpar
 import ulorl
 from conftest import free_port, spawn
-from engine_gap import Watch
+from systems.engine_gap import Watch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # every test starts a vLLM engine, in this proces
 
 import tiny  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
-from engine import Sampling, VLLMEngine, process_logits  # noqa: E402
+from systems.engine import Sampling, VLLMEngine, process_logits  # noqa: E402
 
 SAMPLING = Sampling(temperature=1.0)
 
@@ -158,10 +158,10 @@ def test_batch_larger_than_the_token_budget(setup):
 # A trainer whose sync fails midway (an out-of-memory error while gathering the 4th tensor), with the engine in
 # this process (CPU, one process) or in a process of its own (argv[2] "own": as on GPUs, over NCCL there)
 MIDWAY = """import sys, time
-import distributed
+from systems import distributed
 import model as model_lib
 import tiny
-from engine import VLLMEngine
+from systems.engine import VLLMEngine
 tok = tiny.make_tokenizer()
 lm = tiny.make_model(tok)
 engine = VLLMEngine(sys.argv[1], seed=0, dtype="float32", max_model_len=256, mem=0.25, device="cpu",
@@ -202,9 +202,9 @@ def test_a_sync_that_fails_midway_ends_the_run_with_its_error(scripts, where):
 
 # Two syncs of the tiny (tied) model into an in-process engine, then one that leaves a layer's weight out
 SYNCS = """import sys
-import distributed
+from systems import distributed
 import tiny
-from engine import VLLMEngine
+from systems.engine import VLLMEngine
 tok = tiny.make_tokenizer()
 lm = tiny.make_model(tok)
 engine = VLLMEngine(sys.argv[1], seed=0, dtype="float32", max_model_len=256, mem=0.25, device="cpu")
@@ -238,7 +238,8 @@ def test_a_sync_prints_vllms_warnings_not_its_expected_ones(scripts):
 # "raises" sends one tensor in a shape the engine's load_weights refuses, "hangs" stops sending after the 3rd
 # (a broadcast that never returns; the watchdog's stall is 5 s here, 60 in a run)
 BROKEN_SYNC = """import os, signal, sys, time
-import distributed, engine, train, weight_sync
+import train
+from systems import distributed, engine, weight_sync
 how = sys.argv.pop(1)
 weight_sync.SYNC_STALL_S = 5.0
 real_weights, real_update = distributed.hf_weights, engine.VLLMEngine.update_weights
@@ -297,7 +298,7 @@ def test_a_sync_that_breaks_ends_every_rank_of_the_run(tmp_path):
 
 
 AMX_PERMISSION = """import ctypes, torch
-import weight_sync
+from systems import weight_sync
 granted = ctypes.c_ulong(0)  # arch_prctl(ARCH_GET_XCOMP_PERM): the extended states this process may use
 assert ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(granted)) == 0
 print(torch.cpu._is_amx_tile_supported(), bool(granted.value & 1 << 18))  # bit 18: AMX tile data

@@ -21,9 +21,9 @@ from vllm import envs  # noqa: E402
 from vllm.distributed.weight_transfer import packed_tensor  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
-import distributed  # noqa: E402
-import weight_sync  # noqa: E402
-from engine import Sampling, VLLMEngine  # noqa: E402
+from systems import distributed  # noqa: E402
+from systems import weight_sync  # noqa: E402
+from systems.engine import Sampling, VLLMEngine  # noqa: E402
 
 UUID = "GPU-test"  # the GPU's identity in an IPC handle
 PICKLE = "VLLM_ALLOW_INSECURE_SERIALIZATION"
@@ -219,7 +219,7 @@ def test_the_nccl_sender_gets_tensors_on_its_own_device_whatever_the_offload(mon
 
 @pytest.mark.slow
 def test_weight_sync_implements_the_installed_vllms_interface():
-    """weight_sync.py against the installed vLLM's own classes, so that a drift within 0.32 fails here, not on a
+    """systems/weight_sync.py against the installed vLLM's own classes, so that a drift within 0.32 fails here, not on a
     GPU: every abstract method of the source, engine and trainer bases implemented with the base's parameters
     (vLLM calls them positionally and by name), the client's four calls as vLLM's client protocol declares
     them, and the worker methods they reach by name present on vLLM's CPU and GPU workers."""
@@ -239,7 +239,7 @@ def test_weight_sync_implements_the_installed_vllms_interface():
     for name in calls:
         assert params(getattr(weight_sync.LLMClient, name)) == params(getattr(VLLMWeightSyncClient, name)), name
         assert hasattr(Worker, name) and hasattr(CPUWorker, name), name
-    import engine
+    from systems import engine
     engine.check_vllm(vllm.__version__)  # the installed one is the one supported
 
 

@@ -10,7 +10,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import model as model_lib
 import tiny
-from engine import Sampling, process_logits
+from systems.engine import Sampling, process_logits
 
 ORIGINAL, FACTOR = 128, 1.5  # positions past 128 are where YaRN matters; the model then takes 192
 
@@ -71,7 +71,7 @@ def test_vllm_computes_the_same_positions(path):
     """Engine log-probs of sampled continuations past position 128 equal the YaRN trainer's (1e-4) and not
     the unscaled model's: the overrides reached vLLM (hf_overrides) as they reached transformers."""
     pytest.importorskip("vllm")
-    from engine import VLLMEngine
+    from systems.engine import VLLMEngine
     yarn, tok = model_lib.load(path, rope_scaling_factor=FACTOR, rope_original_max_positions=ORIGINAL)
     plain = model_lib.load(path)[0]
     overrides = model_lib.yarn_overrides(yarn.config, FACTOR, ORIGINAL)

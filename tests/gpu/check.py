@@ -654,7 +654,7 @@ def packed_row(lengths, device: str, dtype, seed: int = 0) -> dict:
     import torch
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    import seqpar
+    from systems import seqpar
     heads, kv_heads, dim = KERNEL_SHAPE["heads"], KERNEL_SHAPE["kv_heads"], KERNEL_SHAPE["head_dim"]
     n = sum(lengths)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -685,7 +685,7 @@ def attend(row: dict, kernel: str) -> dict:
     from torch.nn.attention import sdpa_kernel
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    import seqpar
+    from systems import seqpar
     cuda = row["q"].is_cuda
     q, k, v = (row[name].detach().requires_grad_() for name in "qkv")
     scale = KERNEL_SHAPE["head_dim"] ** -0.5

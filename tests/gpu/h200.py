@@ -211,7 +211,7 @@ def attention_allowance(tokens: int) -> int:
     while it is recomputed in the backward: its share of plan.Shape.layer_activations (q, k, v, their normed and
     rotated copies, the output: a shape with no hidden and no MLP leaves only those), in bf16, and as much again
     for their gradients, as the plan counts a layer's activations."""
-    import plan
+    from systems import plan
     attention = plan.Shape(layers=1, hidden=0, vocab=0, heads=check.KERNEL_SHAPE["heads"],
                            kv_heads=check.KERNEL_SHAPE["kv_heads"], head_dim=check.KERNEL_SHAPE["head_dim"],
                            intermediate=0)
@@ -422,12 +422,12 @@ def import_weight_sync():
         mods[names[4]].DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
         sys.modules.update(mods)
         try:
-            import weight_sync
+            from systems import weight_sync
         finally:
             for n in names:
                 sys.modules.pop(n, None)
         return weight_sync
-    import weight_sync
+    from systems import weight_sync
     return weight_sync
 
 
@@ -475,7 +475,7 @@ def headline_plan() -> dict:
     use, GiB."""
     import config
     import model as model_lib
-    import plan
+    from systems import plan
     cfg = config.parse_config(["--preset", "ulorl", "--model", QWEN3_30B, "--plan", "--rollout-gpus", "6,7",
                                "--attn-implementation", "varlen"])
     shape = plan.Shape.of(model_lib.model_config(QWEN3_30B, cfg.rope_scaling_factor, cfg.rope_original_max_positions))
@@ -508,7 +508,7 @@ CARDS = {"H100 (80 GiB)": 79.2 * 2**30, "H200 (141 GB)": 139.8 * 2**30}  # what 
 
 def row_needs(ctx: Ctx) -> dict[int, float]:
     """Bytes each layers row may take: the plan of its model and row, NEED_OVER_PLAN times."""
-    import plan
+    from systems import plan
     shape = plan.Shape.of(layers_config(ctx))
     return {tokens: NEED_OVER_PLAN * plan.make_plan(shape, update_config(ctx.device, tokens, 64, "--plan"), 1, 1,
                                                   True).trainer_total
@@ -519,12 +519,12 @@ def part_layers(ctx: Ctx) -> dict:
     """qwen3_30b_layers, in this process (see the module's docstring)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    import distributed
+    from systems import distributed
     import model as model_lib
-    import plan
-    import seqpar
+    from systems import plan
+    from systems import seqpar
     import ulorl
-    from engine_gap import Watch
+    from systems.engine_gap import Watch
     cuda = ctx.device == "cuda"
     out = {"part": "qwen3_30b_layers", "ok": False, "error": None}
     if problems := shape_problems(AutoConfig.from_pretrained(QWEN3_30B)):
@@ -592,11 +592,11 @@ def part_fsdp(ctx: Ctx) -> dict:
     import torch
     import torch.distributed as dist
     from safetensors import safe_open
-    import distributed
-    import placement
-    import seqpar
+    from systems import distributed
+    from systems import placement
+    from systems import seqpar
     import ulorl
-    from engine_gap import Watch
+    from systems.engine_gap import Watch
     cuda = ctx.device == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -678,10 +678,10 @@ def gradient_memory(device: str, world: int, parallel: str, compute_dtype=None, 
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     import config
-    import distributed
+    from systems import distributed
     import model as model_lib
     import ulorl
-    from engine_gap import Watch
+    from systems.engine_gap import Watch
     from segment_rollout import Sample
     if device == "cuda":
         measure = torch.cuda.memory_allocated
@@ -722,7 +722,7 @@ def part_gradients(ctx: Ctx) -> dict:
     """grad_memory, in this torchrun rank (see the module's docstring)."""
     import torch
     import torch.distributed as dist
-    import distributed
+    from systems import distributed
     cuda = ctx.device == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -33,10 +33,10 @@ import tempfile
 import torch
 from torch.distributed.tensor import DTensor
 
-import distributed
+from systems import distributed
 import model as model_lib
-import outdir
-from outdir import Folder
+from systems import outdir
+from systems.outdir import Folder
 from segment_rollout import Pools, Sample
 from rollouts import Prefetched
 from ulorl import RunState

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-import distributed
+from systems import distributed
 
 # ------------------------------------------------------------------ Mixture-of-Experts routing replay
 #

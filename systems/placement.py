@@ -13,12 +13,12 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-import distributed
+from systems import distributed
 import model as model_lib
-import plan as plan_lib
-import seqpar
+from systems import plan as plan_lib
+from systems import seqpar
 from config import Config, engine_placement, tensor_parallel_sizes
-from engine import engine_kind, make_engine
+from systems.engine import engine_kind, make_engine
 
 
 def setup_distributed(cfg: Config) -> tuple[int, int]:

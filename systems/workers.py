@@ -21,7 +21,7 @@ import types
 from collections import deque
 from multiprocessing.connection import wait as mp_wait
 
-import sandbox  # the standard library only: its leftovers are removed with a worker
+from systems import sandbox  # the standard library only: its leftovers are removed with a worker
 
 IN_WORKER = False  # True in a worker, where the parent enforces the timeout: verifiers check in-process there
 # Each worker's address space (RLIMIT_AS): a parse of model output such as \boxed{2^{2^{2^{2^{2^{2}}}}}} grows

@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-import distributed
-from routing import RoutingMismatch
+from systems import distributed
+from systems.routing import RoutingMismatch
 
 GAP_BINS = (-12.0, 2.0, 280)  # log10 |trainer - engine log-prob| from 1e-12 to 100 nats, 20 bins a decade
 # The engine/trainer KL leaves out its GAP_OUTLIERS largest tokens: one bf16 MoE token 3.5 nats off adds

@@ -10,7 +10,7 @@ import math
 import os
 import subprocess
 
-from outdir import Folder
+from systems.outdir import Folder
 
 
 def git_hash() -> str:

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-import distributed
-from routing import Routing, routing_dtype, vllm_routing
+from systems import distributed
+from systems.routing import Routing, routing_dtype, vllm_routing
 
 
 @dataclass
@@ -324,7 +324,7 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.config import WeightTransferConfig
         before = descendants()  # another replica's processes are not this one's
-        import weight_sync  # noqa: F401 (registers the gloo backend in vLLM's factories, here)
+        from systems import weight_sync  # noqa: F401 (registers the gloo backend in vLLM's factories, here)
         self.backend = "gloo" if on_cpu else "nccl" if self.gpus else "ipc"
         self.colocated = self.backend == "ipc"
         if self.colocated:  # vLLM's msgpack refuses CUDA IPC handles (type objects, dtypes) unless it may pickle
@@ -342,7 +342,7 @@ class VLLMEngine:
                        logprobs_mode="processed_logprobs",  # after temperature / top-k / top-p, like the trainer
                        enable_prefix_caching=True,  # continued samples re-send their prefix
                        hf_overrides=hf_overrides or {},  # config fields over config.json: YaRN (model.yarn_overrides)
-                       tensor_parallel_size=tp, worker_extension_cls="weight_sync.WorkerExtension",
+                       tensor_parallel_size=tp, worker_extension_cls="systems.weight_sync.WorkerExtension",
                        weight_transfer_config=WeightTransferConfig(backend=self.backend),
                        **({"enable_return_routed_experts": True} if routing else {}), **placement)
         self.processes = descendants() - before if own_process else set()  # its scheduler and workers
@@ -390,7 +390,7 @@ class VLLMEngine:
         first use; every trainer rank takes part in the gathers: distributed.gather_only), then a prefix-cache
         reset: cached KV blocks were computed by the old weights. A sleeping engine's KV cache wakes after the
         sync, when the transfer's buffer is free."""
-        import weight_sync
+        from systems import weight_sync
         self.wake(["weights"])
         if self.transfer is None:
             self.transfer = weight_sync.connect(self.llm, lm, self.backend, rank=0, engine_ranks=self.tp,

@@ -8,7 +8,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-import distributed
+from systems import distributed
 
 # --------------------------------------------------------- packed attention and sequence parallelism
 #

@@ -39,7 +39,7 @@ from vllm.distributed.weight_transfer import (ParamMeta, TrainerWeightTransferEn
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES
 
-import distributed
+from systems import distributed
 
 TIMEOUT = timedelta(minutes=30)  # a rendezvous or one tensor's broadcast; a 30B model's sync takes seconds
 
