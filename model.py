@@ -1,8 +1,7 @@
 """The model side of the trainer: loading the model and tokenizer (YaRN flags; sharded under FSDP), the
 micro-batch layout (`MicroBatch`, `micro_batches`, `collate`) and the forward pass to response log-probs
-(`response_logprobs`, as the module `Policy` that DDP/FSDP2 wrap). The systems features wrap that forward from
-files of their own (`wrap`): systems/seqpar.py (sequence parallelism, packed attention), systems/routing.py (MoE routing replay),
-systems/distributed.py (FSDP2/DDP).
+(`response_logprobs`, as the module `Policy` that DDP/FSDP2 wrap). The systems wrap that forward from outside
+(systems/placement.py `wrap`: sequence parallelism and packed attention, MoE routing replay, FSDP2/DDP).
 """
 import functools
 import itertools
@@ -15,10 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import data
-from systems import distributed
 import loss
-from systems import routing
-from systems import seqpar
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -328,10 +324,6 @@ class Policy(torch.nn.Module):
     def forward(self, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         return response_logprobs(self.lm, mb, temperature, self.tokens)
 
+    def reshard(self) -> None:
+        """Nothing to free in one process or under DDP; FSDP2's class puts its own first."""
 
-def wrap(lm, parallel: str, trainable: bool = True, compute_dtype: torch.dtype | None = None, offload: bool = False):
-    """The module the trainer calls: Policy(lm), its forward run on this rank's slice of a packed row under the
-    packed kernels and --sp (seqpar.sliced) and through the engine's experts under --routing-replay
-    (routing.replayed), in one process or under DDP or FSDP2 (distributed.wrap)."""
-    policy = Policy(lm, seqpar.sliced(routing.replayed(response_tokens)))
-    return distributed.wrap(policy, lm.get_decoder().layers, parallel, trainable, compute_dtype, offload)

@@ -113,8 +113,8 @@ class Rollouts:
                 raise RuntimeError(f"no informative group after {record['rollout/rounds']} rollouts: every group's "
                                    f"rewards were all equal (mean reward {mean_reward:.3f}). "
                                    f"The task is too easy or too hard for this model; try --dynamic-sampling false")
-        if ran and hasattr(self.engine, "idle"):  # --rollout-replicas: their time spent waiting for the slowest
-            record["rollout/replica_idle"] = self.engine.idle()
+        if ran:
+            record.update(self.engine.round_metrics())
 
     def draw(self, record: dict) -> list:
         """New prompts x G for a round: as many as fit next to the unfinished samples (--prompts-per-step x G
@@ -197,7 +197,7 @@ class Rollouts:
         unseen). The engines continue trained groups' prompts by PROBE_TOKENS tokens each on the weights just
         synced: the first PROBE_PROMPTS groups' prompts, dealt round the replicas (each gets one at least); the
         trainer compares its log-probs with theirs (ulorl.update's `probe`) and trains on none."""
-        engines = getattr(self.engine, "engines", [self.engine])  # each replica directly: its split's bookkeeping
+        engines = self.engine.replicas()  # each directly: the replicas' split learns nothing from the probe
         firsts = [g[0] for g in groups][:max(PROBE_PROMPTS, len(engines))]  # stays as it was
         probes = []
         for i, e in enumerate(engines):

@@ -53,13 +53,11 @@ def held_out(engine, tokenizer, rows: list[dict], cfg: Config, judge: reward.Jud
     """avg@1 on the held-out prompts (eval.evaluate), sampled like the training rollouts, in one segment of
     the full length. Sample uids count down from -1: the same draws at every evaluation, apart from training's.
     Judged as eval.py judges, whatever --overlong shapes the training reward: a truncated response is unsolved."""
-    kept = engine.bookkeeping() if hasattr(engine, "bookkeeping") else None  # --rollout-replicas: the rollout's
-    summary, _, metrics = eval_lib.evaluate(engine, tokenizer, rows, 1, cfg.max_response_len,
-                                            Sampling(cfg.temperature, cfg.top_p, cfg.top_k), segments=1, batch=256,
-                                            timeout=cfg.reward_timeout, overlong="zero", judge=judge,
-                                            pools=Pools(next_uid=-1, count_down=True))
-    if kept is not None:  # an evaluation's calls neither teach the replicas' split nor count in their idle share
-        engine.restore(kept)
+    with engine.aside():
+        summary, _, metrics = eval_lib.evaluate(engine, tokenizer, rows, 1, cfg.max_response_len,
+                                                Sampling(cfg.temperature, cfg.top_p, cfg.top_k), segments=1,
+                                                batch=256, timeout=cfg.reward_timeout, overlong="zero", judge=judge,
+                                                pools=Pools(next_uid=-1, count_down=True))
     return {"eval/accuracy": summary["avg@k"], "eval/reward": summary["mean_reward"],
             "eval/mean_length": summary["mean_length"], "eval/truncation_rate": summary["truncation_rate"],
             "eval/reward_timeouts": metrics["reward/timeouts"]}
@@ -190,7 +188,7 @@ class Run:
     world: int
     lead: bool  # rank 0: the engine, the pools, the data and the logs
     threads: int
-    policy: torch.nn.Module  # model.wrap()ped: micro-batch -> (log-probs, entropy)
+    policy: torch.nn.Module  # placement.wrap()ped: micro-batch -> (log-probs, entropy)
     ref: torch.nn.Module | None  # the KL reference, wrapped the same way (--kl-coef 0: none)
     lm: torch.nn.Module  # the Hugging Face model under `policy`
     ref_lm: torch.nn.Module | None

@@ -281,7 +281,7 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg, tally: Tall
 def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg, ranks, watch=None,
            probe=None) -> dict:
     """Steps 5-6 on a batch of complete, informative groups (the same batch on every rank), with the weights of
-    policy version `version`; `policy` and `ref` map a micro-batch to response log-probs and entropy (model.wrap).
+    policy version `version`; `policy` and `ref` map a micro-batch to response log-probs and entropy (placement.wrap).
     `ranks` (distributed.Ranks) is what the update needs of the trainer ranks; `watch` (engine_gap.Watch) checks
     the engine against these weights before the optimizer steps; `probe` (--overlap): called by every rank after
     its pass over the batch, it returns samples the current weights decoded, for the watch alone. Returns the
@@ -355,11 +355,11 @@ def stalled(state: RunState, accuracy: float, patience: int) -> bool:
 
 def reset_reference(policy_lm, ref_lm, opt, ref=None) -> None:
     """ProRL's reset: the reference becomes the current policy and AdamW forgets its moments (without a
-    reference, --kl-coef 0, only the optimizer resets). `ref`: the reference as model.wrap()ped; under FSDP2
+    reference, --kl-coef 0, only the optimizer resets). `ref`: the reference as placement.wrap()ped; under FSDP2
     its root keeps full (unsharded) parameters after a forward with no backward, so it is resharded first,
     to match the policy's shards."""
     if ref_lm is not None:
-        if hasattr(ref, "reshard"):
+        if ref is not None:
             ref.reshard()
         with torch.no_grad():
             for (name, p), (ref_name, r) in zip(policy_lm.named_parameters(), ref_lm.named_parameters()):

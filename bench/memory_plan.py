@@ -341,7 +341,7 @@ def measure_load(model: str, whole: bool) -> list[dict]:
     before = plan_lib.reset_host_peak()
     if whole:
         lm = model_lib.load(model)[0]
-        model_lib.wrap(lm, "fsdp")
+        placement.wrap(lm, "fsdp")
     else:
         lm = placement.load_sharded(model)[1]
     params = sum(p.numel() for p in lm.parameters())

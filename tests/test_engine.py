@@ -234,6 +234,24 @@ def test_replicas_return_what_one_engine_returns_and_learn_what_requests_use(tok
         [10 * (continued_share if live[0] in again else new_share), 10 * new_share])
 
 
+def test_an_evaluation_teaches_the_replicas_nothing(tok, lm):
+    """Calls inside `aside()` (the trainer's held-out evaluation) learn and measure as any call, and leave the
+    replicas' split shares, capped keys and idle times as they were; one engine has nothing to keep."""
+    import copy
+    make = lambda: HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=4)
+    one, both = make(), engine_lib.Replicas([make(), make()])
+    prompts = [ids(tok, p) for p in PROMPTS]
+    both.generate(prompts[:2], [4, 4], Sampling(1.0), keys=[1, 2])
+    before = copy.deepcopy((both.capped, both.used, both.waits))
+    with both.aside():
+        both.generate(prompts, [6] * len(prompts), Sampling(1.0), keys=[-1 - i for i in range(len(prompts))])
+        assert both.used != before[1] and len(both.waits) == 2
+    assert (both.capped, both.used, both.waits) == before
+    assert both.replicas() == both.engines and one.replicas() == [one] and one.round_metrics() == {}
+    with one.aside():
+        pass
+
+
 def test_a_rollout_decoded_during_the_update_keeps_its_replicas_idle_share(tok, lm):
     """--overlap: the step's rollout ran during the last update and recorded the replicas' idle share; the
     step's own rollout call, which has nothing left to decode, leaves it (the replicas were not called since)."""

@@ -20,7 +20,6 @@ from systems import checkpoint
 from systems import distributed
 from systems.distributed import Ranks
 from systems.routing import Routing, replay_layout, routing_dtype
-import model as model_lib
 from systems import placement
 from systems import plan as plan_lib
 import tiny
@@ -253,7 +252,7 @@ def test_routing_replay_items_are_what_the_step_holds(moe_dir):
     assert plan.host["routing replay ids (every rank)"] == T * (routed * 2 + 8) + T * routed * 2
     assert plan.trainer["routing replay ids"] == T * 2 * 8  # the running layer's [tokens, top_k] int64 slice
     routing = Routing(lm)
-    model_lib.wrap(lm, "none")(mbs[0], 1.0)
+    placement.wrap(lm, "none")(mbs[0], 1.0)
     assert routing.replay.nbytes == mbs[0].input_ids.numel() * routed * 2 <= T * routed * 2
     slots = cfg.prompts_per_step * cfg.group_size
     assert plan.host["routing records (rank 0)"] == slots * full * routed  # uint8: one byte an id
@@ -278,7 +277,7 @@ def test_collated_micro_batches_are_what_the_update_holds(pack):
     samples = [Sample(uid=i, group=i // 2, prompt_ids=[5] * 8, row={}, tokens=[6] * 24, logprobs=[-1.0] * 24,
                       versions=[0] * 24, finish="eos", reward=float(i % 2)) for i in range(6)]
     minis = ulorl.plan_micro_batches(samples, torch.zeros(6), 0, cfg, Ranks())
-    policy = model_lib.wrap(lm, "none")
+    policy = placement.wrap(lm, "none")
     ulorl.old_ref_and_masks(policy, policy, minis, 1, cfg, ulorl.Tally(), Ranks())
     held = sum(v.nbytes for mb in (m for mini in minis for m in mini) for k, v in vars(mb).items()
                if torch.is_tensor(v) and not k.startswith("replay"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import reward
-from systems.engine import HFEngine, Sampling
+from systems.engine import Engine, HFEngine, Sampling
 from naive import PROMPTS, TOL, ids, make_row, naive_logprobs
 from segment_rollout import Pools, Sample, rollout_step
 
@@ -159,7 +159,7 @@ def test_the_overlong_penalty_counts_response_tokens_on_each_side_of_its_buffer(
     assert rewards("zero", [11, 12]) == [1.0, 1.0] and rewards("zero", [12], "truncated") == [0.0]
 
 
-class Recording:
+class Recording(Engine):
     """An engine that records what every generate call asks for, with the pools it was asked from and how many
     groups were ready for the update then."""
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import config
+from systems import placement
 from systems.distributed import Ranks
 from systems.engine_gap import Watch
 from systems.routing import Routing, replay_layout, routing_mismatch
@@ -175,7 +176,7 @@ def test_every_trainer_forward_uses_the_engines_experts(routes):
     for name, module in (("policy", lm), ("reference", ref_lm)):
         Routing.of(module).recorded = used[name] = []
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-3)
-    out = ulorl.update(model_lib.wrap(lm, "none"), model_lib.wrap(ref_lm, "none", trainable=False), opt,
+    out = ulorl.update(placement.wrap(lm, "none"), placement.wrap(ref_lm, "none", trainable=False), opt,
                        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), groups, 0, tok.pad_token_id, cfg,
                        Ranks(), Watch(cfg, [], lm))
     samples = [s for g in groups for s in g]
@@ -203,7 +204,7 @@ def test_replay_off_in_a_forward_without_routing():
     lm = moe()
     groups = rolled_out(lm, tok, "random")
     samples = [s for g in groups for s in g]
-    policy = model_lib.wrap(lm, "none")  # the trainer's forward: through the engine's experts where it has them
+    policy = placement.wrap(lm, "none")  # the trainer's forward: through the engine's experts where it has them
     replayed = policy(model_lib.collate(samples, tok.pad_token_id), 1.0)[0]
     for s in samples:
         s.routing = None

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from systems.routing import Routing
+from systems import placement
 from systems import seqpar
 import model as model_lib
 import tiny
@@ -54,7 +55,7 @@ def make(moe: bool, attention: str):
 
 def forward_backward(lm, mb):
     """Response log-probs and entropy, and the gradients of a loss that weighs every token differently."""
-    lp, ent = model_lib.wrap(lm, "none")(mb, 0.9)  # the trainer's forward: the packed kernels, --sp's slice
+    lp, ent = placement.wrap(lm, "none")(mb, 0.9)  # the trainer's forward: the packed kernels, --sp's slice
     (lp * torch.linspace(-1, 2, lp.numel()).view_as(lp)).sum().backward()
     return lp.detach(), ent, torch.cat([p.grad.flatten() for p in lm.parameters() if p.grad is not None])
 

@@ -15,6 +15,7 @@ import torch
 import config
 import loss
 import model as model_lib
+from systems import placement
 import ulorl
 from systems.distributed import Ranks
 from systems.engine import HFEngine, Sampling
@@ -89,7 +90,7 @@ def test_update_ratio_metrics(tok, multi_version, is_mode):
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = copy.deepcopy(policy.state_dict())
-    out = ulorl.update(model_lib.wrap(policy, "none"), None, opt, sched, groups, 2, tok.pad_token_id, cfg, Ranks())
+    out = ulorl.update(placement.wrap(policy, "none"), None, opt, sched, groups, 2, tok.pad_token_id, cfg, Ranks())
     assert out["train/optimizer_steps"] == 1
     assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items()), "no update happened"
     if is_mode == "pois":
@@ -113,7 +114,7 @@ def test_update_ratio_max_is_a_max_over_micro_batches(tok, multi_version):
     policy = copy.deepcopy(policy)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    out = ulorl.update(model_lib.wrap(policy, "none"), None, opt, sched, groups, 2, tok.pad_token_id, cfg, Ranks())
+    out = ulorl.update(placement.wrap(policy, "none"), None, opt, sched, groups, 2, tok.pad_token_id, cfg, Ranks())
     assert out["ratio/max"] == pytest.approx(true_max, rel=1e-5)
 
 
@@ -170,7 +171,7 @@ def test_nan_loss_skips_the_update():
         groups.append([Sample(2 * g + i, g, prompt, {}, tokens=response, logprobs=[-0.1] * n, versions=[0] * n,
                               seg_starts=[0], finish="eos", reward=r) for i, r in enumerate(rewards)])
     before = {k: v.clone() for k, v in policy.state_dict().items()}
-    trainer = model_lib.wrap(policy, "none")
+    trainer = placement.wrap(policy, "none")
     m = ulorl.update(trainer, None, opt, sched, groups, 0, tok.pad_token_id, cfg, Ranks())
     assert m["train/skipped_updates"] == 1 and m["train/optimizer_steps"] == 0
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
@@ -203,7 +204,7 @@ def test_the_loss_divides_by_the_tokens_of_every_micro_batch_of_the_step(tok, mu
         assert len(split) == 1 if micro_tokens == 10**6 else len(split) > 4 and len(sizes) > 2
         trainer = copy.deepcopy(policy)
         opt = torch.optim.SGD(trainer.parameters(), lr=1.0)
-        out = ulorl.update(model_lib.wrap(trainer, "none"), None, opt, torch.optim.lr_scheduler.LambdaLR(
+        out = ulorl.update(placement.wrap(trainer, "none"), None, opt, torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: 1.0), groups, 2, tok.pad_token_id, cfg, Ranks())
         results.append((out["loss/policy"], {k: v - policy.state_dict()[k] for k, v in trainer.state_dict().items()}))
     (one_loss, one), (many_loss, many) = results
@@ -262,7 +263,7 @@ def test_update_divides_by_every_response_token_under_dmmpts(tok, multi_version)
     adv = ulorl.sample_advantages(groups)
     expected = -(adv[:, None] * keep).sum().item() / mb.resp_mask.sum().item()
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    out = ulorl.update(model_lib.wrap(policy, "none"), None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+    out = ulorl.update(placement.wrap(policy, "none"), None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                        groups, 2, tok.pad_token_id, cfg, Ranks())
     assert out["loss/policy"] == pytest.approx(expected, rel=1e-5)
     assert out["mpt/masked_frac"] == pytest.approx(1 - keep.sum().item() / mb.resp_mask.sum().item())
@@ -285,7 +286,7 @@ def test_update_averages_each_sample_first_under_agg_sample(tok, multi_version):
     expected = sum(-adv[i].item() * keep[i].sum().item() / len(s.tokens) for i, s in enumerate(samples)) / len(samples)
     opt = torch.optim.SGD(policy.parameters(), lr=0.0)
     assert len(ulorl.plan_micro_batches(samples, adv, tok.pad_token_id, cfg, Ranks())[0]) > 2
-    out = ulorl.update(model_lib.wrap(policy, "none"), None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+    out = ulorl.update(placement.wrap(policy, "none"), None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                        groups, 2, tok.pad_token_id, cfg, Ranks())
     assert out["loss/policy"] == pytest.approx(expected, rel=1e-5) and abs(expected) > 1e-3
 
@@ -310,7 +311,7 @@ def test_update_logs_the_covariance_of_log_prob_and_advantage_and_the_part_dmmpt
     part = lambda pick: sum((lp - mean_lp) * (a - mean_adv) for lp, a, k in tokens if pick(k)) / len(tokens)
     opt = torch.optim.SGD(policy.parameters(), lr=0.0)
     assert len(ulorl.plan_micro_batches(samples, adv, tok.pad_token_id, cfg, Ranks())[0]) > 2
-    out = ulorl.update(model_lib.wrap(policy, "none"), None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+    out = ulorl.update(placement.wrap(policy, "none"), None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                        groups, 2, tok.pad_token_id, cfg, Ranks())
     assert out["entropy/cov"] == pytest.approx(part(lambda k: True), rel=1e-5, abs=1e-9)
     assert out["entropy/cov_masked"] == pytest.approx(part(lambda k: not k), rel=1e-5, abs=1e-9)

@@ -520,7 +520,7 @@ def part_layers(ctx: Ctx) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from systems import distributed
-    import model as model_lib
+    from systems import placement
     from systems import plan
     from systems import seqpar
     import ulorl
@@ -539,7 +539,7 @@ def part_layers(ctx: Ctx) -> dict:
                                               attn_implementation=seqpar.attention_name(cfg0.attn_implementation, 1))
     lm.gradient_checkpointing_enable()
     masters = distributed.MasterWeights(lm, torch.bfloat16)
-    policy = model_lib.wrap(lm, "none", compute_dtype=torch.bfloat16)
+    policy = placement.wrap(lm, "none", compute_dtype=torch.bfloat16)
     opt = torch.optim.AdamW(masters.parameters(), lr=cfg0.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     out.update(layers=config.num_hidden_layers, params_b=round(sum(p.numel() for p in lm.parameters()) / 1e9, 3),
@@ -679,7 +679,7 @@ def gradient_memory(device: str, world: int, parallel: str, compute_dtype=None, 
     from transformers import Qwen3Config, Qwen3ForCausalLM
     import config
     from systems import distributed
-    import model as model_lib
+    from systems import placement
     import ulorl
     from systems.engine_gap import Watch
     from segment_rollout import Sample
@@ -694,7 +694,7 @@ def gradient_memory(device: str, world: int, parallel: str, compute_dtype=None, 
     lm = Qwen3ForCausalLM(Qwen3Config(**GRADIENT_SHAPE)).to(device)
     if keep:
         keep(lm)
-    policy = model_lib.wrap(lm, parallel, compute_dtype=compute_dtype)
+    policy = placement.wrap(lm, parallel, compute_dtype=compute_dtype)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     gen = torch.Generator().manual_seed(1)
