@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import data
 import reward
 import ulorl
-from systems.engine import Sampling
-from segment_rollout import Pools, Sample, rollout_step
+from segment_rollout import Pools, Sample, Sampling, rollout_step
 from ulorl import RunState
 
 # The gap check's probe under --overlap: up to 1,024 tokens (a prompt a replica at least), a small share of a step's

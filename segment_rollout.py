@@ -31,6 +31,14 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Sampling:
+    """How every engine draws a token."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+
+
+@dataclass
 class Sample:
     uid: int  # unique over the run; names the sample's random stream in the engine
     group: int  # unique id of the prompt draw; the G samples of one draw share it
@@ -77,7 +85,7 @@ def rollout_step(engine, pools: Pools, new_groups: list[list[Sample]], segment_l
                  sampling, version: int) -> dict:
     """Decode at most one segment for every unfinished sample and every new sample, then sort each one into
     the experience pool (EOS or global cap) or back into the unfinished pool (segment cap). `sampling` is
-    the engine's (engine.Sampling); `version` is stamped on every token decoded now."""
+    the engine's (Sampling); `version` is stamped on every token decoded now."""
     batch = pools.unfinished + [s for g in new_groups for s in g]
     pools.unfinished = batch  # new samples join the unfinished pool first: if the engine raises, nothing is lost
     budgets = [min(segment_len, max_len - len(s.tokens)) for s in batch]

@@ -6,5 +6,6 @@ checkpoint, logs).
 The algorithm above imports these; they import nothing above them but the algorithm's shared types and loaders:
   checkpoint  model (dtypes), segment_rollout (Pools, Sample), rollouts (Prefetched), ulorl (RunState):
               a checkpoint holds them and rebuilds them on resume
+  engine      segment_rollout (Sampling): how every engine draws a token
   placement   model (loading, YaRN, the wrap), config (Config, the engines' GPUs and TP sizes)
 """

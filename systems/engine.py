@@ -37,14 +37,8 @@ import torch
 from transformers import DynamicCache
 
 from systems import distributed
+from segment_rollout import Sampling
 from systems.routing import Routing, routing_dtype, vllm_routing
-
-
-@dataclass
-class Sampling:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: no top-k
 
 
 @dataclass

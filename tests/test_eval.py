@@ -209,7 +209,7 @@ def test_held_out_accuracy_counts_a_truncated_answer_unsolved_under_any_overlong
     tok = tiny.make_tokenizer()
     right = tok("1+2=3:3").input_ids
 
-    class RightButCut:
+    class RightButCut(engine_lib.Engine):
         def generate(self, prompts, max_tokens, sampling, keys=None):
             return [engine_lib.Generation(right[:m], [0.0] * len(right[:m]), "length") for m in max_tokens]
 
