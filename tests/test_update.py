@@ -6,7 +6,6 @@ three policy versions, the ratio metrics, a NaN loss skipped, and ProRL's refere
 import copy
 import json
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +18,6 @@ from systems import placement
 import ulorl
 from systems.distributed import Ranks
 from systems.engine import HFEngine, Sampling
-from conftest import ROOT
 from naive import PROMPTS, TOL, ids, make_row, naive_logprobs
 from segment_rollout import Pools, Sample, rollout_step
 
@@ -416,115 +414,3 @@ def test_token_masks_filter_truncated_samples_whole_and_keep_dmmpt_tokens_in_the
     loss_mask, pg_mask = ulorl.token_masks(mb, mastered, entropy, SimpleNamespace(**{**vars(cfg), "overlong": "zero",
                                                                                       "mpt": "off"}))
     assert torch.equal(loss_mask, resp) and torch.equal(pg_mask, resp)
-
-
-
-def systems_names(path: str, functions: set[str] | None = None) -> set[str]:
-    """The systems modules a file imports, and the places a function of it (all of them: None) uses one:
-    read from the AST, so that neither a call nor an import can hide."""
-    import ast
-    tree = ast.parse(open(path).read())
-    bound, found = {}, set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                full = f"{node.module}.{alias.name}" if isinstance(node, ast.ImportFrom) else alias.name
-                if full.split(".")[0] == "systems":
-                    bound[alias.asname or alias.name.split(".")[0]] = "systems"
-                    found.add(f"import {full}")
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and (functions is None or node.name in functions):
-            found |= {f"{node.name}: {n.id}" for n in ast.walk(node)
-                      if isinstance(n, ast.Name) and bound.get(n.id) == "systems"}
-    return found
-
-
-def test_the_algorithm_s_file_names_nothing_of_the_systems():
-    """ulorl.py imports the loss, the model and the standard library or torch, nothing else; no function of it
-    reaches the ranks, sequence parallelism, routing replay or the engine other than through what it is handed."""
-    import ast
-    import sys
-    path = os.path.join(ROOT, "ulorl.py")
-    imported = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
-                for n in ast.walk(ast.parse(open(path).read())) if isinstance(n, (ast.Import, ast.ImportFrom))
-                for a in n.names}
-    assert imported - sys.stdlib_module_names - {"torch"} == {"loss", "model"}
-    assert systems_names(path) == set()
-    # the check itself sees an import and a call
-    with open(path) as f:
-        text = f.read()
-    changed = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ulorl_{os.getpid()}.py")
-    with open(changed, "w") as f:
-        f.write(text.replace("import math\n", "import math\nfrom systems import seqpar as sp\n", 1)
-                .replace("    policy.train()\n", "    policy.train()\n    sp.sp_size()\n", 1))
-    try:
-        assert systems_names(changed) == {"import systems.seqpar", "optimize: sp"}
-    finally:
-        os.remove(changed)
-
-
-# What the README's step table sends a reader into, file by file (None: all of it), in the reading order
-READING_ORDER = {
-    "train.py": ["main", "next_batch", "sync_weights", "finish_step", "step_metrics", "held_out"],
-    "rollouts.py": ["Batch", "Rollouts.next", "Rollouts.until_ready", "Rollouts.draw", "Rollouts.round"],
-    "segment_rollout.py": None,
-    "reward.py": ["score_samples", "overlong_reward"],
-    "ulorl.py": None,
-    "model.py": ["MicroBatch", "micro_batches", "collate", "response_tokens", "response_logprobs", "Policy"],
-    "loss.py": None,
-}
-RECORDS = {"Sampling"}  # engine.Sampling: the sampling settings, a plain record
-
-
-def reading_order_lines() -> int:
-    import ast
-    total = 0
-    for name, functions in READING_ORDER.items():
-        text = open(os.path.join(ROOT, name)).read()
-        if functions is None:
-            total += len(text.splitlines())
-            continue
-        spans = {}
-        for node in ast.parse(text).body:
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                spans[node.name] = (node.lineno, node.end_lineno)
-                for sub in node.body if isinstance(node, ast.ClassDef) else []:
-                    if isinstance(sub, ast.FunctionDef):
-                        spans[f"{node.name}.{sub.name}"] = (sub.lineno, sub.end_lineno)
-        total += sum(spans[f][1] - spans[f][0] + 1 for f in functions)
-    return total
-
-
-def test_the_reading_order_names_nothing_of_the_systems_and_the_readme_counts_it():
-    """No function a reader of one step goes through calls into the ranks, sequence parallelism, routing
-    replay or the engine's files (the trainer hands the update what it needs of them); the README's line count
-    of the reading order is the real one, within 5%."""
-    import re
-    for name, functions in READING_ORDER.items():
-        used = systems_names(os.path.join(ROOT, name), {f.split(".")[-1] for f in functions or []} or None)
-        assert {u for u in used if not u.startswith("import ") and u.split(": ")[1] not in RECORDS} == set(), name
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    claimed = re.search(r"## Reading order\n\n.*?about ([\d,]+) lines in (\d+) files", readme, re.S)
-    assert claimed, "the README's reading order gives no count"
-    lines = reading_order_lines()
-    assert abs(int(claimed[1].replace(",", "")) - lines) <= 0.05 * lines, (claimed[1], lines)
-    assert int(claimed[2]) == len(READING_ORDER)
-
-
-def test_the_systems_import_from_above_only_what_their_package_names():
-    """The package under the algorithm imports the top level's files only where systems/__init__.py says so: a
-    new import from above (a cycle in the making) fails here until it is named there."""
-    import ast
-    import re
-    top = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
-    found = set()
-    for name in sorted(os.listdir(os.path.join(ROOT, "systems"))):
-        if name.endswith(".py"):
-            for n in ast.walk(ast.parse(open(os.path.join(ROOT, "systems", name)).read())):
-                if isinstance(n, (ast.Import, ast.ImportFrom)):
-                    mods = [n.module] if isinstance(n, ast.ImportFrom) and n.module else [a.name for a in n.names]
-                    found |= {(name[:-3], m.split(".")[0]) for m in mods if m.split(".")[0] in top}
-    import systems
-    named = {(m[1], above) for m in re.finditer(r"^  (\w+) +(.*(?:\n {14}.*)*)", systems.__doc__, re.M)
-             for above in re.findall(r"(?:^|, |\n\s+)(\w+) \(", m[2])}
-    assert found == named, (found - named, named - found)
