@@ -1,7 +1,6 @@
-"""Steps 1-4 of an RL step, as one object: `Rollouts.next()` returns the step's batch, whether its rounds run now
-or ran during the last update (--overlap 1: `start_next` decodes the next step's rollout in a thread while the
-trainers update, on the weights before the update; `join` ends it before the weight sync). `hand_over` and
-`take_back` are what the loop calls around the update.
+"""Steps 1-4 of an RL step, as one object: `Rollouts.next()` returns the step's batch; `hand_over` and
+`take_back` are what the loop calls around the update. `Overlapped` (--overlap 1) decodes the next step's
+rollout in a thread while the trainers update, on the weights before the update, and ends it before the sync.
 
 A round (segment_rollout.rollout_step) decodes one segment of every unfinished and new sample; groups whose
 every member finished are rewarded (reward.score_samples) and, when informative, wait for the update (dynamic
@@ -62,7 +61,6 @@ class Rollouts:
         self.engine, self.pools, self.rows, self.state, self.tokenizer = engine, pools, rows, state, tokenizer
         self.sampling, self.cfg, self.judge = sampling, cfg, judge
         self.too_long: set = set()  # rows known to exceed --max-prompt-len (data.draw_prompts skips them)
-        self.inflight = None  # --overlap: (thread, the rollout decoding ahead, its probe)
 
     def next(self) -> Batch:
         """Steps 1-4 of step state.step + 1: rounds until --train-groups informative groups are ready, continuing
@@ -71,8 +69,6 @@ class Rollouts:
         ahead, state.prefetched = state.prefetched, None
         record = ahead.record if ahead else new_record(self.pools)
         rewards = ahead.rewards if ahead else []
-        if cfg.overlap:  # how many versions behind the trainer's the weights that decoded the rounds were
-            record["staleness/engine_lag"] = state.version - (ahead.version if ahead else state.version)
         try:  # after a prefetched rollout, rounds run here only when the engine failed during it
             self.until_ready(record, rewards, state.version)
         except EngineFailure:
@@ -82,8 +78,7 @@ class Rollouts:
         groups, dropped = ulorl.take_groups(state, cfg)
         if dropped is not None:
             record["rollout/dropped_surplus_groups"] = dropped
-        probing = bool(cfg.overlap) and not any(v == state.version for g in groups for s in g for v in s.versions)
-        return Batch(groups, record, rewards, probing)
+        return Batch(groups, record, rewards, probing=False)
 
     def until_ready(self, record: dict, rewards: list, version: int) -> None:
         """Rounds until --train-groups informative complete groups are ready (at least one a step, so unfinished
@@ -146,22 +141,42 @@ class Rollouts:
                 raise EngineFailure(f"the rollout engine failed twice: {type(e2).__name__}: {e2}; resume from the "
                                     f"newest checkpoint in {cfg.out} with --resume auto") from e2
 
-    # ------------------------------------------------------------ the engine during the update; --overlap 1
-
     def hand_over(self, batch: Batch, step: int) -> None:
-        """The trainers take `batch`: under --overlap the next step's rollout (the probe first) begins decoding
-        beside the update; otherwise the engine pauses (vLLM sharing the trainer's GPU sleeps meanwhile)."""
-        if self.cfg.overlap:
-            self.start_next(batch, step)
+        """The trainers take `batch`: the engine pauses (vLLM sharing the trainer's GPU sleeps meanwhile)."""
         self.engine.pause()
 
     def take_back(self) -> dict:
-        """After the update, before the weight sync: the rollout decoding ahead ends (join) and the engine
-        resumes. Returns the step's record entries for it (the trainer's wait, under --overlap)."""
-        out = {"time/engine_wait_s": self.join()} if self.cfg.overlap else {}
+        """After the update, before the weight sync: the engine resumes. Returns the step's record entries."""
         self.engine.resume()
-        return out
+        return {}
 
+
+class Overlapped(Rollouts):
+    """--overlap 1: the next step's rollout decodes in a thread while the trainers update (`start_next`), on the
+    weights before the update, and ends before the weight sync (`join`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.inflight = None  # (thread, the rollout decoding ahead, its probe)
+
+    def next(self) -> Batch:
+        """The step's batch, with how many versions behind the trainer's the weights that decoded it were, and
+        whether it is probing: no trained token is of the current weights, so the gap check needs a probe."""
+        ahead, version = self.state.prefetched, self.state.version
+        batch = super().next()
+        batch.record["staleness/engine_lag"] = version - (ahead.version if ahead else version)
+        batch.probing = not any(v == version for g in batch.groups for s in g for v in s.versions)
+        return batch
+
+    def hand_over(self, batch: Batch, step: int) -> None:
+        """The next step's rollout (the probe first) begins decoding beside the update."""
+        self.start_next(batch, step)
+        super().hand_over(batch, step)
+
+    def take_back(self) -> dict:
+        """The rollout decoding ahead ends (join), then the engine resumes; the trainer's wait is recorded."""
+        waited = self.join()
+        return {"time/engine_wait_s": waited, **super().take_back()}
 
     def start_next(self, batch: Batch, step: int) -> None:
         """--overlap 1: the next step's whole rollout begins now in a thread, decoded by the current weights while
@@ -224,7 +239,7 @@ class Rollouts:
         """End the rollout start_next() began (before the weight sync: new weights reach the engine between its
         calls), so that what it decoded is in the pools and `state.prefetched` (so in any checkpoint) before
         the step ends. An engine that failed (twice) leaves its samples in the unfinished pool: the next step's
-        own rounds continue from there. Returns the seconds the trainer waited (0 without --overlap)."""
+        own rounds continue from there. Returns the seconds the trainer waited."""
         if self.inflight is None:
             return 0.0
         t0 = time.time()

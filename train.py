@@ -42,7 +42,7 @@ import reward
 from systems import sandbox
 import ulorl
 from systems.engine import Sampling, SyncError
-from rollouts import EngineFailure, Rollouts
+from rollouts import EngineFailure, Overlapped, Rollouts
 from segment_rollout import Pools, Sample
 from ulorl import RunState
 
@@ -273,7 +273,8 @@ def set_up(cfg: Config) -> Run | None:
         state.run_id = run_id  # the checkpoint's own, or a new branch's
     if lead:
         sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
-        run.rollouts = Rollouts(run.engine, pools, rows, state, tokenizer, sampling, cfg, run.judge)
+        kind = Overlapped if cfg.overlap else Rollouts  # --overlap 1: the next rollout decodes during the update
+        run.rollouts = kind(run.engine, pools, rows, state, tokenizer, sampling, cfg, run.judge)
         if resume_from:
             print(f"resumed from {resume_from} at step {state.step} (run id {run_id})", flush=True)
         run.log = logs.RunLog(cfg, out, state.step if resume_from else None)
