@@ -10,6 +10,7 @@ import json
 import os
 import re
 
+import registry
 import reward
 import verifiers
 from data import encode_prompt, make_row, read_objects
@@ -94,7 +95,7 @@ def clean(args) -> dict:
     if args.majority_models:
         models = [m for m in args.majority_models.split(",") if m]
         todo = [i for i in range(len(rows))
-                if i not in dropped and rows[i]["verifier"] in ("tiny", "math", "math_boxed")]
+                if i not in dropped and registry.VERIFIERS[rows[i]["verifier"]].as_response]
         answers = []  # [model][row]: each model's final answer, one sample each
         for m in models:
             texts = generate(m, [rows[i] for i in todo], 1, args)
@@ -104,8 +105,8 @@ def clean(args) -> dict:
             top = max(set(votes), key=votes.count) if votes else None
             if top is None or votes.count(top) < args.majority_min:
                 continue
-            items = [(rows[i]["verifier"], r"\boxed{" + top + "}" if rows[i]["verifier"] != "tiny" else ":" + top,
-                      rows[i]["answer"])]
+            written = registry.VERIFIERS[rows[i]["verifier"]].as_response.format(top)  # as a response would write it
+            items = [(rows[i]["verifier"], written, rows[i]["answer"])]
             if reward.score_batch(items, timeout=args.reward_timeout)[0][0] == 0.0:
                 drop(i, "majority_disagrees", f"{votes.count(top)} of {len(models)} models answer {top!r}, "
                                               f"the reference is {rows[i]['answer']!r}")

@@ -15,10 +15,12 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-# What --help shows is all here: this file loads no torch, transformers or project module until the flags are
-# parsed (each costs seconds), so `python train.py --help` and a wrong value answer at once
+import registry
+
+# What --help shows is all here and in registry.py (the verifiers' and data sources' names and help, as strings):
+# this file loads no torch, transformers or other project module until the flags are parsed (each costs seconds),
+# so `python train.py --help` and a wrong value answer at once
 TINY_CKPT = "tiny_ckpt"  # tiny.CKPT: the built-in task's warm start
-VERIFIER_NAMES = ("code", "ifeval", "math", "math_boxed", "tiny")  # verifiers.VERIFIERS but rg (--data rg:NAME)
 
 
 def is_local_path(name: str) -> bool:
@@ -55,9 +57,7 @@ class Config:
                                "ulorl for a hub model name (--model Qwen/Qwen3-30B-A3B), tiny for a local directory",
                        choices=["tiny", "ulorl", "prorl"], group="run")
     model: str = flag(TINY_CKPT, "hub name or local HF directory of the policy")
-    data: str = flag("tiny", "training prompts: 'tiny' ('tiny:K': every problem K terms), a .jsonl/.json/.parquet "
-                             "file, a saved dataset, a hub name, rg:NAME[:SIZE] (Reasoning Gym), or a mixture "
-                             "'a.jsonl@0.7,rg:chain_sum@0.3'")
+    data: str = flag("tiny", "training prompts: " + registry.DATA_HELP)
     eval_data: str = flag("auto", "held-out prompts for --eval-every (same formats as --data); auto: --data's own "
                                   "held-out draw where it has one (tiny, tiny:K and rg:NAME: problems, or a seed, "
                                   "training never draws), none for files and datasets; '' = none. Training leaves "
@@ -156,10 +156,7 @@ class Config:
                                        ok=at_least(0))
     reward_timeout: float = flag(5.0, "seconds per reward check; a check that takes longer scores 0",
                                  ok=POSITIVE)
-    default_verifier: str = flag("math", "verifier of file rows without a 'verifier' field: math (last \\boxed{}, "
-                                         "else the last number), math_boxed (\\boxed{} only), code, ifeval, tiny "
-                                         "(rg rows come only from --data rg:NAME)",
-                                 choices=VERIFIER_NAMES)
+    default_verifier: str = flag("math", registry.default_verifier_help(), choices=registry.FILE_VERIFIERS)
     verifier_model: str = flag("", "generative verifier (UloRL 3.3): hub name or local HF directory of the judge "
                                    "model for math rows; '' = rule-based only")
     verifier_mode: str = flag("second_opinion", "with --verifier-model: second_opinion (ask the judge when the "
@@ -347,13 +344,12 @@ def parse_config(argv=None, description: str = __doc__) -> Config:
 
 def held_out_of(spec: str, eval_every: int) -> str:
     """--eval-data auto: --data itself where every source of it has a held-out draw of its own (the built-in task,
-    Reasoning Gym: data.load_prompts(held_out=True)), else none, said once."""
-    import data
+    Reasoning Gym: registry.Source.held_out), else none, said once."""
     try:
-        sources = data.parse_mixture(spec)
+        sources = registry.parse_mixture(spec)
     except ValueError:
         return ""  # --data's own check says what is wrong with it
-    if all(source == "tiny" or source.startswith(("tiny:", "rg:")) for source, _ in sources):
+    if all(registry.SOURCES[registry.source_kind(source)].held_out for source, _ in sources):
         return spec
     if eval_every:
         print(f"note: --data {spec} has no held-out draw of its own: no held-out evaluation (--eval-data auto); name "
@@ -363,8 +359,7 @@ def held_out_of(spec: str, eval_every: int) -> str:
 
 def data_problems(cfg: Config) -> list[str]:
     """What is wrong with --data and --eval-data before anything is read: a mixture that does not parse, a file
-    that is not there."""
-    import data
+    that is not there (each source kind's own check, registry.Source.check)."""
     out = []
     for flag_name, spec in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
         if not spec:
@@ -373,19 +368,17 @@ def data_problems(cfg: Config) -> list[str]:
                            "you), e.g. --data train.parquet")
             continue
         try:
-            sources = data.parse_mixture(spec)
+            sources = registry.parse_mixture(spec)
         except ValueError as e:
             out.append(str(e).replace("--data", flag_name, 1))
             continue
         for source, _ in sources:
-            path = os.path.expanduser(source)
-            if (path.endswith(data.SUFFIXES) or path.startswith(("/", "."))) and not os.path.exists(path):
-                out.append(f"{flag_name} {spec}: no such file or directory: {path}")
-            if source.startswith("tiny:"):
-                try:
-                    data.tiny_terms(source)
-                except ValueError as e:
-                    out.append(f"{flag_name} {e}")
+            check = registry.SOURCES[registry.source_kind(source)].check
+            try:
+                if check:
+                    registry.function(check)(source)
+            except (ValueError, OSError) as e:
+                out.append(f"{flag_name} {e}")
     return out
 
 

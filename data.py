@@ -21,7 +21,9 @@ import os
 import random
 import sys
 
+import registry
 import verifiers
+from registry import parse_mixture  # noqa: F401 (data.parse_mixture: a spec's sources, parsed where they are named)
 from systems import sandbox
 import tiny
 
@@ -186,24 +188,24 @@ def make_row(obj, where: str, prompt_key: str, answer_key: str, verifier_key: st
                          f"(JSON's NaN / Infinity, or a missing value in a parquet column)")
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         answer = str(answer)  # JSON and parquet hand back integer answers as numbers
-    if isinstance(answer, (dict, list)) and verifier in JSON_ANSWERS:
+    kind = registry.VERIFIERS.get(verifier)
+    if isinstance(answer, (dict, list)) and kind and kind.answer_check:
         answer = json.dumps(answer)  # test cases or constraints stored as a nested column
     if not isinstance(answer, str):
         raise ValueError(f"{where}: field '{answer_key}' (the answer) is a {type(answer).__name__}, expected a"
                          f" string or number: {str(answer)[:200]!r}")
-    if verifier not in verifiers.VERIFIERS:
+    if kind is None:
         raise ValueError(f"{where}: field '{verifier_key}' (the verifier) is {verifier[:100]!r}; known: "
-                         f"{', '.join(sorted(verifiers.VERIFIERS))}")
-    if verifier == "rg":  # its answer is the entry the library's scorer reads, and some scorers read answers as code
-        raise ValueError(f"{where}: field '{verifier_key}' (the verifier) is 'rg': Reasoning Gym rows are generated "
-                         f"here (--data rg:NAME), never read from a file, whose answer a scorer would run")
+                         f"{', '.join(sorted(registry.VERIFIERS))}")
+    if not kind.from_file:  # rg: its answer is the entry the library's scorer reads, and some scorers run answers
+        raise ValueError(f"{where}: field '{verifier_key}' (the verifier) is {verifier!r}: {kind.help}")
     for field, text in [(prompt_key, prompt)] if isinstance(prompt, str) else \
             [(f"{prompt_key}[{i}].content", m["content"]) for i, m in enumerate(prompt)]:
         _check_text(text, where, field)
     _check_text(answer, where, answer_key)
-    if verifier in JSON_ANSWERS:
+    if kind.answer_check:  # a JSON answer (tests, constraints) is checked here, so a bad one names its row
         try:
-            JSON_ANSWERS[verifier](answer)
+            registry.function(kind.answer_check)(answer)
         except ValueError as e:
             raise ValueError(f"{where}: field '{answer_key}' (the answer of a {verifier!r} row): {e}") from None
     if verifier == "code" and sandbox.visible_tests(
@@ -225,14 +227,6 @@ def _check_text(text: str, where: str, field: str) -> None:
                          f"{e.start}), which is not text a tokenizer can encode; fix the row at its source") from None
 
 
-def _check_ifeval_answer(answer: str) -> None:
-    verifiers.ifeval_reward("", answer)  # raises ValueError on a malformed list or an unknown constraint type
-
-
-# Verifiers whose answer is JSON: checked when the row is loaded, so a bad one names its row before training.
-JSON_ANSWERS = {"code": sandbox.parse_tests, "ifeval": _check_ifeval_answer}
-
-
 def load_rows(source: str, prompt_key: str = "prompt", answer_key: str = "answer", verifier_key: str = "verifier",
               default_verifier: str = "math", split: str = "train", limit: int | None = None) -> list[dict]:
     """Rows from a .jsonl / .json / .parquet file, a save_to_disk directory, or anything
@@ -245,24 +239,34 @@ def load_rows(source: str, prompt_key: str = "prompt", answer_key: str = "answer
 
 def load_prompts(spec: str, seed: int = 0, held_out: bool = False, n: int | None = None, prompt_key: str = "prompt",
                  answer_key: str = "answer", default_verifier: str = "math", split: str = "") -> list[dict]:
-    """The rows of a --data / --eval-data spec: "tiny" (the built-in task; "tiny:K": every problem K terms long),
-    "rg:NAME[:SIZE]" (Reasoning Gym, generated here), a file or dataset (load_rows), or a weighted mixture of
-    those ("a.jsonl@0.7,rg:x@0.3").
+    """The rows of a --data / --eval-data spec: one source or a weighted mixture of them, each of a kind in
+    registry.SOURCES (the built-in task, Reasoning Gym, a file or dataset).
     Every row keeps its own verifier. held_out: the evaluation draw (the tiny task's and Reasoning Gym's from
     seeds training never uses, a dataset's `split` or its "test" split), cut to the first `n` rows."""
+    keys = dict(prompt_key=prompt_key, answer_key=answer_key, default_verifier=default_verifier, split=split)
     sources = []
     for source, weight in parse_mixture(spec):
-        if source == "tiny" or source.startswith("tiny:"):  # a fixed training draw and a separate held-out draw
-            terms = tiny_terms(source)
-            rows = tiny.held_out_rows(n or 512, seed, terms) if held_out else tiny.make_rows(100_000, seed, terms)
-        elif source.startswith("rg:"):
-            rows = rg_rows(source, seed + 1_000_003 if held_out else seed, size=(n or 1000) if held_out else 1000)
-        else:
-            rows = load_rows(source, prompt_key, answer_key, default_verifier=default_verifier,
-                             split=split or ("test" if held_out else "train"))
-        sources.append((rows, weight))
+        load = registry.function(registry.SOURCES[registry.source_kind(source)].rows)
+        sources.append((load(source, seed, held_out, n, **keys), weight))
     rows = sources[0][0] if len(sources) == 1 else mix(sources, seed)
     return rows[:n] if held_out else rows
+
+
+def tiny_source(source: str, seed: int, held_out: bool, n: int | None, **_) -> list[dict]:
+    """"tiny" / "tiny:K": a fixed training draw and a separate held-out draw."""
+    terms = tiny_terms(source)
+    return tiny.held_out_rows(n or 512, seed, terms) if held_out else tiny.make_rows(100_000, seed, terms)
+
+
+def rg_source(source: str, seed: int, held_out: bool, n: int | None, **_) -> list[dict]:
+    """"rg:NAME[:SIZE]": generated here; the held-out draw from a seed training never uses."""
+    return rg_rows(source, seed + 1_000_003 if held_out else seed, size=(n or 1000) if held_out else 1000)
+
+
+def file_source(source: str, seed: int, held_out: bool, n: int | None, prompt_key: str, answer_key: str,
+                default_verifier: str, split: str) -> list[dict]:
+    return load_rows(source, prompt_key, answer_key, default_verifier=default_verifier,
+                     split=split or ("test" if held_out else "train"))
 
 
 def prompt_text(prompt: str | list[dict]) -> str:
@@ -299,12 +303,18 @@ def tiny_terms(source: str) -> int | None:
     return int(k)
 
 
+def check_path(source: str) -> None:
+    """FileNotFoundError for a source meant as a local path that is not there: a typo'd path would otherwise reach
+    the hub as a dataset name."""
+    path = os.path.expanduser(source)
+    if (path.endswith(SUFFIXES) or path.startswith(("/", "."))) and not os.path.exists(path):
+        raise FileNotFoundError(f"{source}: no such file or directory: {path}")
+
+
 def read_objects(source: str, split: str = "train", limit: int | None = None) -> list[tuple[str, dict]]:
     """(where, raw object) per row of a source, before any field is looked at."""
+    check_path(source)
     path = os.path.expanduser(source)
-    if path.endswith(SUFFIXES) or path.startswith(("/", ".")):
-        if not os.path.exists(path):  # a typo'd path would otherwise reach the hub as a dataset name
-            raise FileNotFoundError(f"no such file or directory: {path}")
     if path.endswith(SUFFIXES) and not os.path.isdir(path):
         read = {".jsonl": read_jsonl, ".json": read_json, ".parquet": read_parquet}[os.path.splitext(path)[1]]
         objs = read(path)
@@ -397,23 +407,6 @@ def rg_verdict(name: str) -> bool:
     full_marks, found = verifiers.rg_probe(name, rg_entries(name, RG_PROBE_SEED, verifiers.RG_PROBE_ROWS))
     print(f"rg:{name}: {found}", file=sys.stderr, flush=True)
     return full_marks
-
-
-def parse_mixture(spec: str) -> list[tuple[str, float]]:
-    """--data "a.jsonl@0.7,rg:chain_sum@0.3" -> [("a.jsonl", 0.7), ("rg:chain_sum", 0.3)]; no @ = weight 1.
-    ('@' and not ':' separates the weight: ':' already belongs to rg:NAME:SIZE.)"""
-    parts = []
-    for part in spec.split(","):
-        source, at, weight = part.strip().rpartition("@") if "@" in part else ("", "", "1")
-        source = source.strip() if at else part.strip()
-        try:
-            w = float(weight)
-        except ValueError:
-            w = -1.0
-        if not source or not w > 0:
-            raise ValueError(f"--data {spec!r}: part {part!r} must be SOURCE or SOURCE@WEIGHT with WEIGHT > 0")
-        parts.append((source, w))
-    return parts
 
 
 def mix(sources: list[tuple[list[dict], float]], seed: int) -> list[dict]:

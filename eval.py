@@ -41,6 +41,7 @@ import data
 from systems import engine as engine_lib
 import model as model_lib
 from systems import placement
+import registry
 import reward
 import verifiers
 import tiny
@@ -59,9 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # what to evaluate
     p.add_argument("--model", default=tiny.CKPT, help="hub name or local HF directory (a run's step_NNNNNN/ too)")
-    p.add_argument("--data", default="tiny", help="'tiny' (the held-out draw train.py evaluates on), a "
-                                                  ".jsonl/.json/.parquet file, a save_to_disk directory, a hub name, "
-                                                  "rg:NAME[:SIZE] (Reasoning Gym) or a mixture 'a.jsonl@0.5,rg:x@0.5'")
+    p.add_argument("--data", default="tiny", help=registry.DATA_HELP + "; of tiny and rg:NAME, the held-out draw "
+                                                  "(the one train.py evaluates on)")
     p.add_argument("--prompt-key", default="prompt", help="column holding the prompt (dotted paths reach nested columns)")
     p.add_argument("--answer-key", default="answer", help="column holding the reference answer")
     p.add_argument("--split", default="test", help="split of a Hugging Face dataset")

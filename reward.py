@@ -8,8 +8,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+import registry
 from systems import workers as pool  # score_batch's `workers` is a count
-from verifiers import MAX_ANSWER_CHARS, VERIFIERS, extract_answer, final_answer, final_text
+from verifiers import MAX_ANSWER_CHARS, extract_answer, final_answer, final_text
 from verifiers import math_equal  # noqa: F401 (reward.extract_answer and reward.math_equal are public names)
 
 def score_samples(samples: list, texts: list[str], max_len: int, overlong: str = "zero", overlong_buffer: int = 0,
@@ -52,12 +53,13 @@ def score_batch(items: list[tuple[str, str, str]], timeout: float = 5.0, workers
     reward per item, in order, and {"reward/timeouts", "reward/errors"}; a check that raises or
     runs past `timeout` seconds scores 0.0, and so does every check left when the call has run
     `batch_timeout` seconds (> 0: the bound of the whole batch). An unknown verifier name raises ValueError."""
-    for name, _, _ in items:
-        if name not in VERIFIERS:
-            raise ValueError(f"unknown verifier {name!r}; known: {sorted(VERIFIERS)}")
+    for name in {name for name, _, _ in items}:
+        if name not in registry.VERIFIERS:
+            raise ValueError(f"unknown verifier {name!r}; known: {sorted(registry.VERIFIERS)}")
+        registry.function(registry.VERIFIERS[name].reward)  # one a worker can't import is an error here, not per check
     scores, n_timeouts, errors = [], 0, []
     if items:
-        tasks = [(pool.ref(VERIFIERS[name]), response, answer) for name, response, answer in items]
+        tasks = [(registry.VERIFIERS[name].reward, response, answer) for name, response, answer in items]
         scores, n_timeouts, errors = pool.run(tasks, timeout, workers, batch_timeout)
     if errors:
         warnings.warn(f"{len(errors)} of {len(items)} reward checks raised and scored 0; first: {errors[0]}")
@@ -109,7 +111,6 @@ def fenced(prediction: str) -> str:
     """The prediction with every tag of the fence in it escaped (`</student_answer>` -> `&lt;/student_answer>`,
     any case or spacing), so that only the prompt's own tags open and close the fence."""
     return _FENCE_TAG.sub(lambda m: "&lt;" + m.group(1) + m.group(2), prediction)
-JUDGE_DOMAINS = ("math", "math_boxed")  # verifiers whose reward is answer equivalence, where a judge can help
 _VERDICT_PUNCT = ".!"
 
 
@@ -164,12 +165,12 @@ def judge(j: Judge, items: list[tuple]) -> list[bool]:
 
 
 def judge_rewards(j: Judge, rows: list[dict], responses: list[str], rewards: list[float]) -> tuple[list[float], int]:
-    """Rewards after the generative verifier, for rows whose verifier is in JUDGE_DOMAINS; others unchanged.
+    """Rewards after the generative verifier, for rows whose verifier is judged (registry.Verifier); others unchanged.
     "alone": the judge's verdict is the reward. "second_opinion": only rule-based 0s are asked, and a yes
     makes them 1 (UloRL's answer to pairs like 27cm / 0.27m). Returns (rewards, number of judge calls)."""
     if j.mode not in ("alone", "second_opinion"):
         raise ValueError(f"unknown verifier mode {j.mode!r}; use 'off', 'alone' or 'second_opinion'")
-    ask = [i for i, row in enumerate(rows) if row["verifier"] in JUDGE_DOMAINS and
+    ask = [i for i, row in enumerate(rows) if registry.VERIFIERS[row["verifier"]].judged and
            (j.mode == "alone" or rewards[i] == 0.0)]
     # the prediction is what the row's own rule reads (a math_boxed response without \boxed{} has none: a no, unasked)
     verdicts = judge(j, [(rows[i]["prompt"], final_answer(rows[i]["verifier"], responses[i]), rows[i]["answer"])

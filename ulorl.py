@@ -28,7 +28,7 @@ Where each part of the papers lives (every paper number is a flag default or a p
     reference + optimizer reset ........... reset_reference(), stalled() below; --ref-reset-every, --ref-reset-on-stall
     constant learning rate (both papers) .. lr_factor() below; --lr-final 1 (the tiny default decays to 0.1)
     settings: n 16, T 1.2, 256 prompts, mini-batch 64 prompts, lr 2e-6 ... config.PRESETS["prorl"]
-    rewards: math, code (systems/sandbox.py), Reasoning Gym (--data rg:NAME), instruction following ... verifiers.VERIFIERS
+    rewards: math, code (systems/sandbox.py), Reasoning Gym (--data rg:NAME), instruction following ... registry.VERIFIERS
     pass@k ................................ eval.pass_at_k
 
 Simplifications of the papers, all of them:

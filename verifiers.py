@@ -1,11 +1,10 @@
 """Verifiers: a response text and a row's reference answer to a reward, one function `(response, answer) -> float`
-per data domain, named by a row's `verifier` field through `VERIFIERS`: math answer equivalence
+per data domain, named by a row's `verifier` field through registry.VERIFIERS: math answer equivalence
 (`math_reward`, math-verify), the tiny built-in task, Reasoning Gym's scorers (in the sandbox), sandboxed code
 tests (systems/sandbox.py) and instruction-following constraints (`CONSTRAINTS`). `final_answer` is each verifier's
 final answer (what maj@k votes with). They run in reward workers (systems/workers.py): module-level functions only.
 """
 import ast
-import functools
 import itertools
 import json
 import math
@@ -16,6 +15,7 @@ from fractions import Fraction
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+import registry
 from systems import sandbox
 from systems import workers
 
@@ -607,7 +607,12 @@ def ifeval_reward(response: str, answer: str) -> float:
     return sum(met) / len(constraints)
 
 
-def _rg_answer(response: str) -> str | None:
+def check_ifeval_answer(answer: str) -> None:
+    """ValueError on a malformed constraint list or an unknown constraint type: a row's answer, checked as it loads."""
+    ifeval_reward("", answer)
+
+
+def rg_answer(response: str) -> str | None:
     return rg_extract(response) or None
 
 
@@ -617,18 +622,13 @@ def math_answer(response: str, fallback: str = "last_number") -> str | None:
     return extract_answer(final_text(response), fallback)
 
 
-# The final answer of a response, per verifier, read from what its reward reads: what maj@k votes with and the
-# data cleaning's majority filter compares. Verifiers without one short answer (code, ifeval) have none.
-ANSWERS = {"tiny": tiny_answer, "math": math_answer, "math_boxed": functools.partial(math_answer, fallback="none"),
-           "rg": _rg_answer}
+def math_boxed_answer(response: str) -> str | None:
+    return math_answer(response, fallback="none")
 
 
 def final_answer(verifier: str, response: str) -> str | None:
-    return ANSWERS[verifier](response) if verifier in ANSWERS else None
-
-
-# Verifier functions must live at module level: workers import them by "module:name".
-VERIFIERS = {"tiny": tiny_reward, "math": math_reward, "math_boxed": math_boxed_reward, "code": sandbox.code_reward,
-             "rg": rg_reward, "ifeval": ifeval_reward}
-
-
+    """The final answer of a response, read as its verifier's reward reads it (registry.Verifier.final): what maj@k
+    votes with and the data cleaning's majority filter compares. None for a verifier without one short answer
+    (code, ifeval)."""
+    kind = registry.VERIFIERS.get(verifier)
+    return registry.function(kind.final)(response) if kind and kind.final else None

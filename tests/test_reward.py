@@ -15,6 +15,7 @@ import time
 import pytest
 
 from conftest import ROOT, run
+import registry
 import reward
 import verifiers
 from systems import workers
@@ -100,7 +101,16 @@ def test_math_equal_on_long_garbage_returns_in_time():
     assert time.perf_counter() - start < 6.0
 
 
-# ---------------------------------------------------------------------------- tiny task and VERIFIERS
+# ---------------------------------------------------------------------------- tiny task and the registry
+
+def verifier(name: str):
+    return registry.function(registry.VERIFIERS[name].reward)
+
+
+def register(monkeypatch, name: str, fn) -> None:
+    """A test's verifier in the registry, by the "module:function" a worker imports it by."""
+    monkeypatch.setitem(registry.VERIFIERS, name, registry.Verifier(workers.ref(fn)))
+
 
 def test_tiny_reward():
     assert tiny_reward("7,12:12", "12") == 1.0
@@ -113,10 +123,10 @@ def test_tiny_reward():
 
 
 def test_verifiers_table():
-    assert verifiers.VERIFIERS["tiny"]("3+4=7:7", "7") == 1.0
-    assert verifiers.VERIFIERS["math"](r"so x is \boxed{\frac{2}{4}}", "0.5") == 1.0
-    assert verifiers.VERIFIERS["math"](r"so x is \boxed{3}", "0.5") == 0.0
-    assert verifiers.VERIFIERS["math"]("no number here", "0.5") == 0.0
+    assert verifier("tiny")("3+4=7:7", "7") == 1.0
+    assert verifier("math")(r"so x is \boxed{\frac{2}{4}}", "0.5") == 1.0
+    assert verifier("math")(r"so x is \boxed{3}", "0.5") == 0.0
+    assert verifier("math")("no number here", "0.5") == 0.0
 
 
 # ---------------------------------------------------------------------------- overlong_reward
@@ -155,15 +165,15 @@ def test_score_batch_unknown_verifier():
         score_batch([("tiny", "1:1", "1"), ("kode", "print(1)", "1")])
 
 
-def test_score_batch_lambda_verifier_is_a_config_error(monkeypatch):
-    monkeypatch.setitem(reward.VERIFIERS, "lambda", lambda response, answer: 1.0)
-    with pytest.raises(ValueError, match="module-level"):
-        score_batch([("lambda", "x", "y")])
+def test_score_batch_unimportable_verifier_is_a_config_error(monkeypatch):
+    monkeypatch.setitem(registry.VERIFIERS, "gone", registry.Verifier("faulty:no_such_check"))
+    with pytest.raises(ValueError, match="'faulty:no_such_check' must name a module-level function"):
+        score_batch([("tiny", "1:1", "1"), ("gone", "x", "y")])
 
 
 @pytest.mark.slow
 def test_score_batch_counts_errors(monkeypatch):
-    monkeypatch.setitem(reward.VERIFIERS, "boom", boom)
+    register(monkeypatch, "boom", boom)
     items = [("tiny", "1:1", "1"), ("boom", "x", "y"), ("tiny", "1:2", "2"), ("boom", "z", "y")]
     with pytest.warns(UserWarning, match="2 of 4 reward checks raised.*boom on"):
         scores, metrics = score_batch(items)
@@ -175,7 +185,7 @@ def test_score_batch_counts_errors(monkeypatch):
 def test_a_score_outside_zero_to_one_is_an_error_not_a_reward(monkeypatch):
     """NaN, inf and 1e300 from a verifier were passed on as rewards (a NaN advantage, or one group's sample
     outweighing every other); now any score outside [0, 1] is a counted error, scored 0."""
-    monkeypatch.setitem(reward.VERIFIERS, "number", number)
+    register(monkeypatch, "number", number)
     items = [("number", x, "") for x in ("0.5", "nan", "inf", "-inf", "1e300", "-0.5", "1.0000001", "1")]
     with pytest.warns(UserWarning, match="6 of 8 reward checks raised.*not a score in \\[0, 1\\]"):
         scores, metrics = score_batch(items)
@@ -184,7 +194,7 @@ def test_a_score_outside_zero_to_one_is_an_error_not_a_reward(monkeypatch):
 
 @pytest.mark.slow
 def test_score_batch_survives_a_dying_worker(monkeypatch):
-    monkeypatch.setitem(reward.VERIFIERS, "die", die)
+    register(monkeypatch, "die", die)
     items = [("tiny", "1:1", "1"), ("die", "x", "y"), ("tiny", "1:2", "2"), ("tiny", "1:2", "3")]
     with pytest.warns(UserWarning, match="worker died"):
         scores, metrics = score_batch(items)
@@ -195,8 +205,8 @@ def test_score_batch_survives_a_dying_worker(monkeypatch):
 def test_a_worker_left_near_its_memory_cap_is_replaced_before_the_next_check(monkeypatch):
     """A check that leaves 700 MB behind in its worker (a cap of 1024) costs nothing to the checks after it: the
     worker ends after answering, and the rest of its chunk goes to a fresh one, with no error counted."""
-    monkeypatch.setitem(reward.VERIFIERS, "hoard", hoard)
-    monkeypatch.setitem(reward.VERIFIERS, "resident", resident)
+    register(monkeypatch, "hoard", hoard)
+    register(monkeypatch, "resident", resident)
     items = [("hoard", "700", ""), ("resident", "", "")] * 3 + [("resident", "", "")] * 2
     workers.close_pool()  # one worker, chunks of two: each hoarder's chunk-mate moves to a fresh worker
     scores, metrics = score_batch(items, workers=1)
@@ -207,7 +217,7 @@ def test_a_worker_left_near_its_memory_cap_is_replaced_before_the_next_check(mon
 
 @pytest.mark.slow
 def test_score_batch_kills_hanging_check_and_recovers(monkeypatch):
-    monkeypatch.setitem(reward.VERIFIERS, "hang", hang)
+    register(monkeypatch, "hang", hang)
     score_batch([("tiny", "1:1", "1")] * 2, workers=2)  # start the pool outside the timed part
     items = [("tiny", "3:3", "3"), ("hang", "x", "y"), ("math", r"\boxed{0.25}", "1/4"),
              ("tiny", "3:4", "3"), ("math", r"\boxed{2}", "3"), ("tiny", "5:5", "5")]
@@ -229,7 +239,7 @@ def test_batch_timeout_bounds_the_whole_batch(monkeypatch):
     """6 hanging checks among 10 good ones, 2 workers, 5 s per check: alone, the hanging checks queue behind
     each other (3 rounds of 5 s on 2 workers, ~15-25 s). With batch_timeout 6 s the call returns after ~6 s;
     whatever is left scores 0 and counts as a timeout, and the pool is whole again."""
-    monkeypatch.setitem(reward.VERIFIERS, "hang", hang)
+    register(monkeypatch, "hang", hang)
     score_batch([("tiny", "1:1", "1")] * 2, workers=2)  # start the pool outside the timed part
     items = [("hang", "x", "y") if i % 16 < 6 else ("tiny", f"{i}:{i}", str(i)) for i in range(16)]
     start = time.perf_counter()
@@ -321,9 +331,9 @@ def test_math_table_accuracy():
 
 
 def test_math_boxed_has_no_fallback():
-    assert verifiers.VERIFIERS["math_boxed"](r"it is \boxed{0.5}", "1/2") == 1.0
-    assert verifiers.VERIFIERS["math_boxed"]("it is 0.5", "1/2") == 0.0
-    assert verifiers.VERIFIERS["math"]("it is 0.5", "1/2") == 1.0
+    assert verifier("math_boxed")(r"it is \boxed{0.5}", "1/2") == 1.0
+    assert verifier("math_boxed")("it is 0.5", "1/2") == 0.0
+    assert verifier("math")("it is 0.5", "1/2") == 1.0
 
 
 # ---------------------------------------------------------------------------- adversarial answers
