@@ -24,8 +24,8 @@ import sys
 import registry
 import verifiers
 from registry import parse_mixture  # noqa: F401 (data.parse_mixture: a spec's sources, parsed where they are named)
-from systems import sandbox
 import tiny
+from systems import sandbox
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 MISSING = object()  # a dotted key that isn't there (a stored None is a value, and an error of its own)

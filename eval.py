@@ -38,15 +38,15 @@ import torch
 from tqdm import tqdm
 
 import data
-from systems import engine as engine_lib
 import model as model_lib
-from systems import placement
 import registry
 import reward
 import verifiers
 import tiny
-from systems.engine import Sampling
 from segment_rollout import Pools, Sample, rollout_step
+from systems import engine as engine_lib
+from systems import placement
+from systems.engine import Sampling
 
 # The papers' evaluation settings (UloRL: avg@32; ProRL: pass@1 over 16); the flags override them.
 PRESETS = {

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import registry
-from systems import workers as pool  # score_batch's `workers` is a count
 from verifiers import MAX_ANSWER_CHARS, extract_answer, final_answer, final_text
 from verifiers import math_equal  # noqa: F401 (reward.extract_answer and reward.math_equal are public names)
+from systems import workers as pool  # score_batch's `workers` is a count
 
 def score_samples(samples: list, texts: list[str], max_len: int, overlong: str = "zero", overlong_buffer: int = 0,
                   timeout: float = 5.0, judge: "Judge | None" = None, batch_timeout: float = 0.0) -> dict:

@@ -26,25 +26,25 @@ import time
 import torch
 import torch.distributed as dist
 
-from systems import checkpoint
-from systems import outdir
 import data
 import eval as eval_lib
+import model as model_lib
+import reward
+import ulorl
+from rollouts import EngineFailure, Overlapped, Rollouts
+from segment_rollout import Pools, Sample
+from ulorl import RunState
+from systems import checkpoint
+from systems import outdir
 from systems import logs
 from systems import distributed
 from systems import seqpar
 from systems.engine_gap import Watch
 from systems.routing import Routing
-import model as model_lib
 from systems import placement
 from systems import plan as plan_lib
-import reward
 from systems import sandbox
-import ulorl
 from systems.engine import Sampling, SyncError
-from rollouts import EngineFailure, Overlapped, Rollouts
-from segment_rollout import Pools, Sample
-from ulorl import RunState
 
 
 # ------------------------------------------------------------------------- models, engine, evaluation

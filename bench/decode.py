@@ -52,8 +52,8 @@ def decode_point(point: str, rows: list[int], tokens: int, rounds: int, device: 
             llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5, 6 + i % 8]) for i in range(n)], params,
                          use_tqdm=False)
     else:
-        from systems.engine import HFEngine, Sampling
         import model as model_lib
+        from systems.engine import HFEngine, Sampling
         lm, tok = model_lib.load(path, device=device)
         eng = HFEngine(lm, [], tok.pad_token_id, seed=0)  # no stop id: every row decodes its whole budget
 

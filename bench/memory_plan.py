@@ -13,8 +13,8 @@ import subprocess
 import sys
 import tempfile
 
-from systems import plan as plan_lib
 from bench.common import ROOT
+from systems import plan as plan_lib
 
 BRIEF = [{"type": "min_words", "n": 1}, {"type": "max_words", "n": 4}]  # an ifeval answer: 1 to 4 words
 
@@ -221,11 +221,11 @@ def measure_update(model: str, flags: list[str]) -> list[dict]:
     import torch
     import torch.distributed as dist
     import config
-    from systems import distributed
     import model as model_lib
+    import ulorl
+    from systems import distributed
     from systems import placement
     from systems import seqpar
-    import ulorl
     return_frees()
     cfg = config.parse_config(["--model", model, *flags])
     rank, world = placement.setup_distributed(cfg)

@@ -41,9 +41,9 @@ def routing_point(spec: str, dtype: str, args) -> dict:
     recorded. A decision is one (position, layer): every position the engine routed, i.e. all but each
     sequence's last; prefill positions are the prompt's, decode positions those that took a sampled token in."""
     import model as model_lib
+    from segment_rollout import Sample
     from systems.routing import Routing
     from systems.engine import HFEngine, Sampling
-    from segment_rollout import Sample
     (experts, top_k), (layers, hidden) = (map(int, part.split("x")) for part in spec.split(":"))
     lm = routing_model(experts, top_k, layers, hidden, args.seed).to(getattr(torch, dtype)).eval()
     routing = Routing.of(lm)

@@ -21,10 +21,10 @@ def _sp_worker(rank: int, world: int, port: int, lengths: list[int], rounds: int
     import torch.distributed as dist
 
     import model as model_lib
-    from systems import seqpar
-    from systems import plan as plan_lib
     import tiny
     from segment_rollout import Sample
+    from systems import seqpar
+    from systems import plan as plan_lib
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -40,10 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py, eval.py, plot.py and tiny.py live one folder up
 
-from systems import outdir  # noqa: E402
 import eval as eval_lib  # noqa: E402
 import plot  # noqa: E402
 import tiny  # noqa: E402
+from systems import outdir  # noqa: E402
 
 # What every run of a finding shares, then its variants (label -> train.py flags). The rest is train.py's
 # tiny default: 16 prompts x 8 samples a step, 64-token cap in 4 segments, T 1, held-out accuracy on 512

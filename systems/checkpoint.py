@@ -33,13 +33,13 @@ import tempfile
 import torch
 from torch.distributed.tensor import DTensor
 
-from systems import distributed
 import model as model_lib
-from systems import outdir
-from systems.outdir import Folder
 from segment_rollout import Pools, Sample
 from rollouts import Prefetched
 from ulorl import RunState
+from systems import distributed
+from systems import outdir
+from systems.outdir import Folder
 
 def local_shards(obj):
     """An optimizer state dict with each sharded (DTensor) value replaced by this rank's shard."""

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from systems import distributed
 from segment_rollout import Sampling
+from systems import distributed
 from systems.routing import Routing, routing_dtype, vllm_routing
 
 

@@ -13,12 +13,12 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from systems import distributed
 import model as model_lib
+from config import Config, engine_placement, tensor_parallel_sizes
+from systems import distributed
 from systems import plan as plan_lib
 from systems import routing
 from systems import seqpar
-from config import Config, engine_placement, tensor_parallel_sizes
 from systems.engine import engine_kind, make_engine
 
 

@@ -17,8 +17,8 @@ import reward
 import tiny
 import train
 import verifiers
-from systems.engine import HFEngine, Sampling
 from segment_rollout import Pools, rollout_step
+from systems.engine import HFEngine, Sampling
 
 # timing, memory and the startup record differ from run to run: never an observable
 VOLATILE = ("time/", "memory/", "tokens/per_s", "config", "git")

@@ -20,14 +20,14 @@ from safetensors.torch import load_file
 
 from conftest import kill_group, run, start, together
 
-from systems import distributed
-from systems import placement
 import tiny
 import ulorl
 from config import parse_config
-from systems.engine import HFEngine, Sampling
 from naive import PROMPTS, ids, make_row
 from segment_rollout import Pools, rollout_step
+from systems import distributed
+from systems import placement
+from systems.engine import HFEngine, Sampling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4

@@ -7,10 +7,10 @@ and the segmentation. (vLLM: tests/test_vllm.py.)
 import pytest
 import torch
 
+from naive import PROMPTS, TOL, ids, naive_dists
 from systems import distributed
 from systems import engine as engine_lib
 from systems.engine import HFEngine, Sampling
-from naive import PROMPTS, TOL, ids, naive_dists
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

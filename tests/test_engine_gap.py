@@ -17,8 +17,8 @@ import torch
 
 from conftest import run, together
 import tiny
-from systems import engine_gap
 from config import parse_config
+from systems import engine_gap
 
 BRIEF = [{"type": "min_words", "n": 1}, {"type": "max_words", "n": 4}]  # an ifeval answer: 1 to 4 words
 

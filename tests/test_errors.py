@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from conftest import run
-from systems import outdir
 import config
 import data
-from systems import logs
 import tiny
+from systems import outdir
+from systems import logs
 from systems.engine import Sampling, process_logits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

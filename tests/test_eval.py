@@ -14,11 +14,11 @@ import torch
 
 from conftest import run
 import data
-from systems import engine as engine_lib
 import eval as ev
 import model as model_lib
 import verifiers
 import tiny
+from systems import engine as engine_lib
 from systems.engine import Sampling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import config
-from systems import engine as engine_lib
 import harness
 import model as model_lib
-from systems import placement
 import tiny
 import train
 import ulorl
+from systems import engine as engine_lib
+from systems import placement
 from systems import workers
 
 pytestmark = pytest.mark.usefixtures("one_thread")

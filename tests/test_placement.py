@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from conftest import ROOT, hub_cache, run, run_many
-from systems.routing import routing_dtype
 import model as model_lib
+from config import engine_placement, parse_config
+from systems.routing import routing_dtype
 from systems import placement
 from systems import plan as plan_lib
-from config import engine_placement, parse_config
 
 QWEN3_30B = os.path.join(ROOT, "tests", "configs", "Qwen3-30B-A3B")  # 32 attention heads, 4 KV heads
 H200 = 141 * 10**9

@@ -16,13 +16,13 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from conftest import run, together
+import tiny
 from systems import checkpoint
 from systems import distributed
 from systems.distributed import Ranks
 from systems.routing import Routing, replay_layout, routing_dtype
 from systems import placement
 from systems import plan as plan_lib
-import tiny
 
 BRIEF = [{"type": "min_words", "n": 1}, {"type": "max_words", "n": 4}]  # an ifeval answer: 1 to 4 words
 

@@ -171,14 +171,14 @@ def test_a_checkpoint_gives_back_every_part_of_the_state_it_saved(tmp_path):
     unfinished samples, the experience pool and the ready groups (every field of every sample), the run state,
     AdamW's moments, the schedule, the engine's, torch's and Python's random streams are what was saved (a run
     decodes only a few of these in a short test: each is compared here as saved)."""
-    from systems import checkpoint
     import config
     import random
     import model as model_lib
     import tiny
     import ulorl
-    from systems.engine import HFEngine, Sampling
     from segment_rollout import Pools, Sample
+    from systems import checkpoint
+    from systems.engine import HFEngine, Sampling
 
     def sample(uid, group, n, finish, version):
         return Sample(uid, group, [3, 4, 5], {"prompt": "1+2=", "answer": "3", "verifier": "tiny"},

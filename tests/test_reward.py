@@ -18,11 +18,11 @@ from conftest import ROOT, run
 import registry
 import reward
 import verifiers
-from systems import workers
-from systems.sandbox import extract_code
 from reward import extract_answer, math_equal, overlong_reward, score_batch
 from verifiers import tiny_reward
 from faulty import boom, die, hang, hoard, number, resident  # verifiers that raise, kill their worker, never return, or lie
+from systems import workers
+from systems.sandbox import extract_code
 
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import reward
-from systems.engine import Engine, HFEngine, Sampling
 from naive import PROMPTS, TOL, ids, make_row, naive_logprobs
 from segment_rollout import Pools, Sample, rollout_step
+from systems.engine import Engine, HFEngine, Sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

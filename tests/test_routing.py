@@ -16,17 +16,17 @@ import pytest
 import torch
 
 import config
-from systems import placement
-from systems.distributed import Ranks
-from systems.engine_gap import Watch
-from systems.routing import Routing, replay_layout, routing_mismatch
 import model as model_lib
 import tiny
 import ulorl
 from conftest import close_up_to_order, run, together, undocumented_metrics
-from systems.engine import HFEngine, Sampling, vllm_routing
 from naive import PROMPTS, ids, make_row
 from segment_rollout import Pools, rollout_step
+from systems import placement
+from systems.distributed import Ranks
+from systems.engine_gap import Watch
+from systems.routing import Routing, replay_layout, routing_mismatch
+from systems.engine import HFEngine, Sampling, vllm_routing
 
 BRIEF = [{"type": "min_words", "n": 1}, {"type": "max_words", "n": 4}]  # an ifeval answer: 1 to 4 words
 

@@ -195,8 +195,8 @@ def test_a_disk_that_fills_says_what_failed_and_what_is_safe(tmp_path):
     assert "error: could not write checkpoint" in p.stderr and "No space left on device" in p.stderr
     assert "trainer_state_rank0.pt" in p.stderr and "the newest, step_000001, resumes with --resume auto" in p.stderr
     import config
-    from systems import plan as plan_lib
     from transformers import AutoConfig
+    from systems import plan as plan_lib
     shape = plan_lib.Shape.of(AutoConfig.from_pretrained(os.path.join(ROOT, "tiny_ckpt")))
     sizes = plan_lib.checkpoint_bytes(shape, config.parse_config([*RUN, "--steps", "2"]), 1)
     assert written < sum(sizes.values()) < 1.06 * written, (written, sizes)

@@ -20,8 +20,8 @@ import pytest
 
 from conftest import run
 import reward
-from systems import sandbox
 import verifiers
+from systems import sandbox
 from systems.sandbox import code_reward, extract_code, run_program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

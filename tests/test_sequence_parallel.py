@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from systems.routing import Routing
-from systems import placement
-from systems import seqpar
 import model as model_lib
 import tiny
 from conftest import close_up_to_order, free_port, run, spawn, together
 from test_distributed import records, rel_diff, weights
 from segment_rollout import Sample
+from systems.routing import Routing
+from systems import placement
+from systems import seqpar
 
 BRIEF = [{"type": "min_words", "n": 1}, {"type": "max_words", "n": 4}]  # an ifeval answer: 1 to 4 words
 

@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 import config
-from systems import distributed
 import harness
 import model as model_lib
-from systems import placement
-from systems import seqpar
 import ulorl
 from conftest import free_port, spawn
+from systems import distributed
+from systems import placement
+from systems import seqpar
 from systems.engine_gap import Watch
 
 pytestmark = pytest.mark.usefixtures("one_thread")

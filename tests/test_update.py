@@ -14,12 +14,12 @@ import torch
 import config
 import loss
 import model as model_lib
-from systems import placement
 import ulorl
-from systems.distributed import Ranks
-from systems.engine import HFEngine, Sampling
 from naive import PROMPTS, TOL, ids, make_row, naive_logprobs
 from segment_rollout import Pools, Sample, rollout_step
+from systems import placement
+from systems.distributed import Ranks
+from systems.engine import HFEngine, Sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -158,9 +158,9 @@ def test_batch_larger_than_the_token_budget(setup):
 # A trainer whose sync fails midway (an out-of-memory error while gathering the 4th tensor), with the engine in
 # this process (CPU, one process) or in a process of its own (argv[2] "own": as on GPUs, over NCCL there)
 MIDWAY = """import sys, time
-from systems import distributed
 import model as model_lib
 import tiny
+from systems import distributed
 from systems.engine import VLLMEngine
 tok = tiny.make_tokenizer()
 lm = tiny.make_model(tok)
@@ -202,8 +202,8 @@ def test_a_sync_that_fails_midway_ends_the_run_with_its_error(scripts, where):
 
 # Two syncs of the tiny (tied) model into an in-process engine, then one that leaves a layer's weight out
 SYNCS = """import sys
-from systems import distributed
 import tiny
+from systems import distributed
 from systems.engine import VLLMEngine
 tok = tiny.make_tokenizer()
 lm = tiny.make_model(tok)

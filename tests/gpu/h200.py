@@ -519,11 +519,11 @@ def part_layers(ctx: Ctx) -> dict:
     """qwen3_30b_layers, in this process (see the module's docstring)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    import ulorl
     from systems import distributed
     from systems import placement
     from systems import plan
     from systems import seqpar
-    import ulorl
     from systems.engine_gap import Watch
     cuda = ctx.device == "cuda"
     out = {"part": "qwen3_30b_layers", "ok": False, "error": None}
@@ -592,10 +592,10 @@ def part_fsdp(ctx: Ctx) -> dict:
     import torch
     import torch.distributed as dist
     from safetensors import safe_open
+    import ulorl
     from systems import distributed
     from systems import placement
     from systems import seqpar
-    import ulorl
     from systems.engine_gap import Watch
     cuda = ctx.device == "cuda"
     if cuda:
@@ -678,11 +678,11 @@ def gradient_memory(device: str, world: int, parallel: str, compute_dtype=None, 
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     import config
+    import ulorl
+    from segment_rollout import Sample
     from systems import distributed
     from systems import placement
-    import ulorl
     from systems.engine_gap import Watch
-    from segment_rollout import Sample
     if device == "cuda":
         measure = torch.cuda.memory_allocated
     else:
