@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 # parsed (each costs seconds), so `python train.py --help` and a wrong value answer at once
 TINY_CKPT = "tiny_ckpt"  # tiny.CKPT: the built-in task's warm start
 VERIFIER_NAMES = ("code", "ifeval", "math", "math_boxed", "tiny")  # verifiers.VERIFIERS but rg (--data rg:NAME)
+POLICY_LOSS_NAMES = ("clipped",)  # loss.POLICY_LOSSES' keys
 
 
 def is_local_path(name: str) -> bool:
@@ -97,6 +98,9 @@ class Config:
                           group="loss (GRPO + DAPO's token-level loss; UloRL 3.1-3.2; ProRL)")
     eps_high: float = flag(0.2, "upper clip range: ratio <= 1 + eps_high (UloRL 0.2, ProRL 0.4)",
                            ok=at_least(0))
+    policy_loss: str = flag("clipped", "the policy loss, a function of loss.POLICY_LOSSES: clipped, the token-level "
+                                       "clipped surrogate of DAPO / ProRL with decoupled clip (--eps-low, --eps-high), "
+                                       "dual clip and the k3 KL", choices=POLICY_LOSS_NAMES)
     agg: str = flag("token", "token: DAPO's token-level mean; sample: GRPO's per-response mean",
                     choices=["token", "sample"])
     is_mode: str = flag("pois", "pi_old under segment rollout (UloRL 3.1): pois (the current weights for every "

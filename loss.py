@@ -198,6 +198,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     return loss, metrics
 
 
+# --policy-loss: every variant takes policy_loss's arguments (ulorl.micro_batch_loss passes them all, by keyword) and
+# returns (loss, metrics). config.POLICY_LOSS_NAMES names these keys (config.py loads no torch)
+POLICY_LOSSES = {"clipped": policy_loss}
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token",
               denom: float | torch.Tensor | None = None) -> torch.Tensor:
     """A per-token quantity [B, T] (0 off `mask`) as a loss term, as policy_loss aggregates its own.

@@ -67,11 +67,14 @@ def test_help_answers_before_torch_loads():
 
 
 def test_the_flags_defaults_name_what_their_modules_hold():
-    """config.py names the built-in warm start and the verifiers without loading tiny.py or verifiers.py."""
+    """config.py names the built-in warm start, the verifiers and the policy losses without loading tiny.py,
+    verifiers.py or loss.py."""
+    import loss
     import tiny
     import verifiers
     assert config.TINY_CKPT == tiny.CKPT
     assert config.VERIFIER_NAMES == tuple(sorted(set(verifiers.VERIFIERS) - {"rg"}))
+    assert config.POLICY_LOSS_NAMES == tuple(loss.POLICY_LOSSES)
 
 
 @pytest.mark.slow
