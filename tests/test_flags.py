@@ -133,10 +133,10 @@ EXEMPT = {
     "out": "where every whole-run probe above reads what the run wrote: a run that ignored it would leave nothing there",
     "device": "every value accepted here resolves to cpu (auto without a GPU; cuda is refused): tests/gpu/ runs cuda",
 }
-# Flags whose every other value training refuses (top-p and top-k: both papers sample with neither; --policy-loss: one
-# loss today, and test_the_policy_loss_flag_picks_the_function_it_names shows the flag reaching micro_batch_loss) or
-# this machine does (no GPU): checked below, so that a flag that starts to take one needs a probe
-REFUSED = {"top_p": "0.9", "top_k": "5", "policy_loss": "gspo", "rollout_gpus": "0", "rollout_tp": "2"}
+# Flags whose every other value training refuses (top-p and top-k: both papers sample with neither) or this machine
+# does (no GPU): checked below, so that a flag that starts to take one needs a probe
+REFUSED = {"top_p": "0.9", "top_k": "5", "rollout_gpus": "0", "rollout_tp": "2",
+           "policy_loss": "gspo"}  # one loss today: test_the_policy_loss_flag_picks_the_function_it_names shows the flag
 
 
 def test_every_field_is_probed_or_exempt_with_its_reason():
