@@ -97,6 +97,9 @@ class Config:
                           group="loss (GRPO + DAPO's token-level loss; UloRL 3.1-3.2; ProRL)")
     eps_high: float = flag(0.2, "upper clip range: ratio <= 1 + eps_high (UloRL 0.2, ProRL 0.4)",
                            ok=at_least(0))
+    policy_loss: str = flag("clipped", "the policy loss (registry.POLICY_LOSSES): clipped, the token-level clipped "
+                                       "surrogate of DAPO / ProRL with decoupled clip (--eps-low, --eps-high), dual "
+                                       "clip and the k3 KL", choices=list(registry.POLICY_LOSSES))
     agg: str = flag("token", "token: DAPO's token-level mean; sample: GRPO's per-response mean",
                     choices=["token", "sample"])
     is_mode: str = flag("pois", "pi_old under segment rollout (UloRL 3.1): pois (the current weights for every "

@@ -1,6 +1,7 @@
-"""The kinds of things a run names by a string, one table each: the verifiers a row's `verifier` field names, and
-the data sources a --data / --eval-data spec names. A new verifier is a function in verifiers.py and one entry
-here; a new kind of source, a loader in data.py and one entry here.
+"""The kinds of things a run names by a string, one table each: the verifiers a row's `verifier` field names, the
+policy losses --policy-loss names, and the data sources a --data / --eval-data spec names. A new verifier is a
+function in verifiers.py and one entry here; a new policy loss, a function in loss.py and one entry here; a new
+kind of source, a loader in data.py and one entry here.
 
 Functions are named as "module:function" strings, not imported: this module loads the standard library only, so
 config.py (`--help`, the flag checks) reads it without loading math-verify, torch or reasoning_gym, and the reward
@@ -62,6 +63,11 @@ def function(ref: str):
         raise ValueError(f"{ref!r} must name a module-level function of an importable module ('module:function'), "
                          f"the form a reward worker imports a verifier by")
     return fn
+
+
+# --policy-loss: each takes loss.policy_loss's arguments, all by keyword (ulorl.micro_batch_loss), and returns
+# (loss, metrics)
+POLICY_LOSSES = {"clipped": "loss:policy_loss"}
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 import torch
 
 import model as model_lib
-from loss import Covariance, Max, Mean, Sum, group_advantages, mpt_mask, old_logprobs, policy_loss
+import registry
+from loss import Covariance, Max, Mean, Sum, group_advantages, mpt_mask, old_logprobs
 from model import MicroBatch
 
 
@@ -225,16 +226,16 @@ def old_ref_and_masks(policy, ref, minis: list[list[MicroBatch]], version: int, 
 
 def micro_batch_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, denom: int,
                      cfg) -> tuple[torch.Tensor, dict]:
-    """Step 6 on one micro-batch, in tensors [b, T]: the clipped loss of the trainer's `logprobs` against pi_old
-    (mb.old_logprobs), with the DMMPT mask (mb.pg_mask) and the KL to the reference, over the step's token count
-    `denom` (UloRL Eq. 10). `entropy` is differentiable: an entropy bonus is
+    """Step 6 on one micro-batch, in tensors [b, T]: the loss --policy-loss names in registry.POLICY_LOSSES (the clipped
+    one: UloRL Eq. 10) of the trainer's `logprobs` against pi_old (mb.old_logprobs), with the DMMPT mask
+    (mb.pg_mask) and the KL to the reference, over the step's token count `denom`. `entropy` is differentiable: an entropy bonus is
     `loss - coef * loss.aggregate(torch.where(mb.loss_mask, entropy, 0), mb.loss_mask, cfg.agg, denom)`. Metrics
     are loss.Mean (a total and what it averages over), loss.Sum or loss.Max; a new one lands in metrics.jsonl
     as its value over the step."""
-    loss, metrics = policy_loss(logprobs, mb.old_logprobs, mb.adv, mb.loss_mask, pg_mask=mb.pg_mask,
-                                eps_low=cfg.eps_low, eps_high=cfg.eps_high, clip_ratio_c=cfg.clip_ratio_c,
-                                ref_logprobs=mb.ref_logprobs, kl_coef=cfg.kl_coef, agg=cfg.agg, denom=denom,
-                                tis_cap=cfg.tis_cap or None, behaviour_logprobs=mb.behaviour)
+    loss, metrics = registry.function(registry.POLICY_LOSSES[cfg.policy_loss])(
+        logprobs=logprobs, old_logprobs=mb.old_logprobs, advantages=mb.adv, mask=mb.loss_mask, pg_mask=mb.pg_mask,
+        eps_low=cfg.eps_low, eps_high=cfg.eps_high, clip_ratio_c=cfg.clip_ratio_c, ref_logprobs=mb.ref_logprobs,
+        kl_coef=cfg.kl_coef, agg=cfg.agg, denom=denom, tis_cap=cfg.tis_cap or None, behaviour_logprobs=mb.behaviour)
     return loss, metrics
 
 

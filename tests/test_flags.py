@@ -9,6 +9,7 @@ reason, fails. The trainer's flags that act only under torchrun are probed in te
 """
 import contextlib
 import dataclasses
+import inspect
 import io
 import json
 from types import SimpleNamespace
@@ -18,7 +19,9 @@ import torch
 
 import config
 import harness
+import loss as loss_lib
 import model as model_lib
+import registry
 import tiny
 import train
 import ulorl
@@ -133,7 +136,8 @@ EXEMPT = {
 }
 # Flags whose every other value training refuses (top-p and top-k: both papers sample with neither) or this machine
 # does (no GPU): checked below, so that a flag that starts to take one needs a probe
-REFUSED = {"top_p": "0.9", "top_k": "5", "rollout_gpus": "0", "rollout_tp": "2"}
+REFUSED = {"top_p": "0.9", "top_k": "5", "rollout_gpus": "0", "rollout_tp": "2",
+           "policy_loss": "gspo"}  # one loss today: test_the_policy_loss_flag_picks_the_function_it_names shows the flag
 
 
 def test_every_field_is_probed_or_exempt_with_its_reason():
@@ -151,6 +155,32 @@ def test_an_exempt_flag_takes_no_other_value(field, capsys):
     with pytest.raises(SystemExit):
         config.parse_config([flag, REFUSED[field]])
     assert flag in capsys.readouterr().err
+
+
+CALLS = []
+
+
+def probe_loss(**kwargs):
+    CALLS.append(kwargs)
+    return torch.tensor(7.0), {"a": 1}
+
+
+def test_the_policy_loss_flag_picks_the_function_it_names(monkeypatch):
+    """micro_batch_loss calls the function of registry.POLICY_LOSSES that --policy-loss names, with every argument
+    of loss.policy_loss by keyword, and returns its loss and metrics; the default's is loss.policy_loss's own."""
+    calls = CALLS
+    calls.clear()
+    monkeypatch.setitem(registry.POLICY_LOSSES, "probe", f"{__name__}:probe_loss")
+    lp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    mb = SimpleNamespace(old_logprobs=torch.tensor([[-1.1, -1.9, -0.7]]), adv=torch.tensor([-1.0]),
+                         loss_mask=torch.tensor([[True, True, False]]), pg_mask=torch.tensor([[True, False, False]]),
+                         ref_logprobs=torch.tensor([[-1.0, -1.0, -1.0]]), behaviour=torch.tensor([[-1.2, -2.1, -0.6]]))
+    cfg = dataclasses.replace(config.Config(), policy_loss="probe", kl_coef=0.1, tis_cap=2.0)
+    assert ulorl.micro_batch_loss(mb, lp, torch.zeros_like(lp), 5, cfg) == (7.0, {"a": 1})
+    assert set(calls[0]) == set(inspect.signature(loss_lib.policy_loss).parameters)
+    assert calls[0]["logprobs"] is lp and calls[0]["pg_mask"] is mb.pg_mask and calls[0]["denom"] == 5
+    clipped, _ = ulorl.micro_batch_loss(mb, lp, torch.zeros_like(lp), 5, dataclasses.replace(cfg, policy_loss="clipped"))
+    assert clipped == loss_lib.policy_loss(**calls[0])[0]
 
 
 # ------------------------------------------------------------------------------------------- harnesses

@@ -5,15 +5,14 @@ it names, and the README's reading order is what one step of the tiny default ru
 """
 import ast
 import collections
+import json
 import os
 import re
 import sys
-import threading
 
 import pytest
 
-import train
-from conftest import ROOT
+from conftest import ROOT, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -56,41 +55,42 @@ def spans(path: str) -> list[tuple[int, int, str]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def one_step(tmp_path_factory) -> dict[str, dict[str, int]]:
-    """file -> {function: its lines} of every top-level function step 1 of the tiny default enters in this
-    process, from the loop in train.main (counted whole) to the step's end; step 2, the last, would evaluate and
-    save. Nested functions count in the function that holds them; the systems package is not read here."""
-    import harness
-    entered = set()
-
-    def profile(frame, event, arg):  # a call's first event; None: no line events in it
-        entered.add((frame.f_code.co_filename, frame.f_code.co_firstlineno))
-
-    real_next, real_finish = train.next_batch, train.finish_step
-
-    def next_batch(run):
-        if run.state.step == 0:
-            sys.settrace(profile)
-            threading.settrace(profile)
-        return real_next(run)
-
-    def finish_step(run, step, *rest):
-        real_finish(run, step, *rest)
-        if step == 1:
-            sys.settrace(None)
-            threading.settrace(None)
-
-    train.next_batch, train.finish_step = next_batch, finish_step
-    try:
-        harness.train_run(["--steps", "2"], tmp_path_factory.mktemp("run") / "out")
-    finally:
+# Step 1 of the tiny default, from the loop in train.main to the step's end (step 2, the last, would evaluate and
+# save), in a process of its own: every call's first event (None: no line events in it), its code's file and line
+TRACE = """
+import json, sys, threading
+sys.path.insert(0, "tests")
+import harness, train
+entered = set()
+def trace(frame, event, arg):
+    entered.add((frame.f_code.co_filename, frame.f_code.co_firstlineno))
+real_next, real_finish = train.next_batch, train.finish_step
+def next_batch(run):
+    if run.state.step == 0:
+        sys.settrace(trace)
+        threading.settrace(trace)
+    return real_next(run)
+def finish_step(run, step, *rest):
+    real_finish(run, step, *rest)
+    if step == 1:
         sys.settrace(None)
         threading.settrace(None)
-        train.next_batch, train.finish_step = real_next, real_finish
-    entered.add((train.main.__code__.co_filename, train.main.__code__.co_firstlineno))
+train.next_batch, train.finish_step = next_batch, finish_step
+harness.train_run(["--steps", "2"], sys.argv[1])
+entered.add((train.main.__code__.co_filename, train.main.__code__.co_firstlineno))
+print(json.dumps(sorted(entered)))
+"""
+
+
+@pytest.fixture(scope="module")
+def one_step(tmp_path_factory) -> dict[str, dict[str, int]]:
+    """file -> {function: its lines} of every top-level function step 1 of the tiny default enters (TRACE).
+    Nested functions count in the function that holds them; the systems package is not read here."""
+    done = run([sys.executable, "-c", TRACE, str(tmp_path_factory.mktemp("run") / "out")], timeout=300,
+               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
     per = collections.defaultdict(dict)
-    for path, line in entered:
+    for path, line in json.loads(done.stdout.splitlines()[-1]):
         rel = os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else ""
         if not rel.endswith(".py") or os.sep in rel:  # the top level only
             continue
@@ -136,13 +136,13 @@ def test_the_step_s_files_reach_no_systems_module_and_ask_no_feature(one_step):
 
 
 def test_the_algorithm_s_file_names_nothing_of_the_systems():
-    """ulorl.py imports the loss, the model and the standard library or torch, nothing else; no function of it
+    """ulorl.py imports the loss, the model, the registry and the standard library or torch, nothing else; no function of it
     reaches the ranks, sequence parallelism, routing replay or the engine other than through what it is handed."""
     path = os.path.join(ROOT, "ulorl.py")
     imported = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
                 for n in ast.walk(ast.parse(open(path).read())) if isinstance(n, (ast.Import, ast.ImportFrom))
                 for a in n.names}
-    assert imported - sys.stdlib_module_names - {"torch"} == {"loss", "model"}
+    assert imported - sys.stdlib_module_names - {"torch"} == {"loss", "model", "registry"}
     assert systems_names(path) == set()
     # the check itself sees an import and a call
     with open(path) as f:

@@ -59,3 +59,12 @@ def test_a_source_is_of_the_first_kind_whose_pattern_it_matches(source, kind):
 def test_eval_data_auto_is_the_training_spec_when_every_source_has_a_held_out_draw():
     assert config.held_out_of("tiny:4@0.5,rg:chain_sum@0.5", 0) == "tiny:4@0.5,rg:chain_sum@0.5"
     assert config.held_out_of("tiny@0.5,a.jsonl@0.5", 0) == ""
+
+
+def test_every_policy_loss_takes_policy_loss_s_arguments():
+    """--policy-loss hands every variant loss.policy_loss's arguments by keyword: a variant must take them all."""
+    import inspect
+    import loss
+    want = inspect.signature(loss.policy_loss).parameters.keys()
+    for ref in registry.POLICY_LOSSES.values():
+        assert inspect.signature(registry.function(ref)).parameters.keys() == want, ref
