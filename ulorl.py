@@ -226,12 +226,10 @@ def old_ref_and_masks(policy, ref, minis: list[list[MicroBatch]], version: int, 
 
 def micro_batch_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, denom: int,
                      cfg) -> tuple[torch.Tensor, dict]:
-    """Step 6 on one micro-batch, in tensors [b, T]: the loss --policy-loss names in registry.POLICY_LOSSES (the clipped
-    one: UloRL Eq. 10) of the trainer's `logprobs` against pi_old (mb.old_logprobs), with the DMMPT mask
-    (mb.pg_mask) and the KL to the reference, over the step's token count `denom`. `entropy` is differentiable: an entropy bonus is
-    `loss - coef * loss.aggregate(torch.where(mb.loss_mask, entropy, 0), mb.loss_mask, cfg.agg, denom)`. Metrics
-    are loss.Mean (a total and what it averages over), loss.Sum or loss.Max; a new one lands in metrics.jsonl
-    as its value over the step."""
+    """Step 6 on one micro-batch, tensors [b, T]: the loss --policy-loss names (the clipped one: UloRL Eq. 10) of
+    `logprobs` against pi_old, with the DMMPT mask and the KL, over the step's count `denom`. An entropy bonus:
+    `loss - coef * loss.aggregate(torch.where(mb.loss_mask, entropy, 0), mb.loss_mask, cfg.agg, denom)`; a new
+    metric (loss.Mean, Sum or Max) lands in metrics.jsonl as its value over the step."""
     loss, metrics = registry.function(registry.POLICY_LOSSES[cfg.policy_loss])(
         logprobs=logprobs, old_logprobs=mb.old_logprobs, advantages=mb.adv, mask=mb.loss_mask, pg_mask=mb.pg_mask,
         eps_low=cfg.eps_low, eps_high=cfg.eps_high, clip_ratio_c=cfg.clip_ratio_c, ref_logprobs=mb.ref_logprobs,
