@@ -152,21 +152,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 denom: float | torch.Tensor | None = None, tis_cap: float | None = None,
                 behaviour_logprobs: torch.Tensor | None = None, pg_mask: torch.Tensor | None = None,
                 clip_ratio_c: float = 0.0) -> tuple[torch.Tensor, dict]:
-    """Clipped surrogate with decoupled clip range (DAPO / ProRL), dual clip and optional k3 KL, as a loss
-    to minimise (UloRL Eq. 10 with the DMMPT mask). logprobs, old_logprobs, mask: [B, T]; advantages: [B] or [B, T].
-    mask: the loss mask: 1 for every token the loss averages over (its denominator); each keeps its KL term.
-    pg_mask: 1 where the policy-gradient term counts (default: mask). DMMPTs drop only that term of well-mastered
-      positive tokens (UloRL Eq. 10: 1/sum_i|o_i| * sum_i sum_t [1 - I_msk(i,t)] * min(r A, clip(r) A)).
-    per-token loss = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A), for A < 0 at most -A * clip_ratio_c
-      (dual clip; 0 = off), times the TIS weight, on pg_mask; + kl_coef * k3 on mask. r = exp(logp - old),
-      the log-ratio clamped to +-20.
-    agg="token": sum over mask tokens / their count (DAPO; both papers); "sample": mean over each sample's
-      mask tokens, then over samples with any (GRPO).
-    denom: the count to divide by instead of this call's own; the trainer passes the count over *all*
-      micro-batches and ranks, so that gradients of a split batch sum to those of the whole batch.
-    tis_cap: truncated importance sampling (tis_weights, needs behaviour_logprobs); None = off.
-    Metrics (Mean / Max): ratio and clip statistics over pg_mask tokens, the KL over mask tokens.
-    """
+    """UloRL Eq. 10 as a loss to minimise: 1/sum_i|o_i| * sum_i sum_t [1 - I_msk(i,t)] * -min(r A, clip(r) A), with
+    ProRL's decoupled clip (1 - eps_low, 1 + eps_high), verl's dual clip (for A < 0 at most -A * clip_ratio_c;
+    0 = off), the TIS weight (tis_cap; None = off) and + kl_coef * k3. r = exp(logp - old), the log-ratio
+    clamped to +-20. Tensors [B, T] (advantages [B] or [B, T]). mask: the tokens the loss averages over, each
+    with its KL term; pg_mask (default mask): where the policy-gradient term counts (DMMPTs drop the rest).
+    agg: "token" (DAPO; both papers) or "sample" (GRPO), see aggregate; denom: the step's count over every
+    micro-batch and rank, so a split batch's gradients sum to the whole's. Metrics: ratio and clip statistics
+    over pg_mask tokens, the KL over mask tokens."""
     loss_mask = mask.bool()
     pg_mask = loss_mask if pg_mask is None else pg_mask.bool() & loss_mask
     adv = advantages[:, None] if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]

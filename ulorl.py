@@ -101,12 +101,9 @@ def sample_advantages(groups: list[list]) -> torch.Tensor:
 
 
 def token_masks(mb: MicroBatch, current: torch.Tensor, entropy: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which response tokens train, [b, T] bool each: (loss_mask, pg_mask).
-    loss_mask: the tokens the loss averages over (its denominator), every token of a sample that trains;
-      overlong filtering (--overlong filter, as DAPO) removes truncated samples whole.
-    pg_mask: the loss_mask tokens whose policy-gradient term trains; DMMPTs drop the well-mastered tokens of
-      positive samples (UloRL 3.2: --mpt dynamic while the sample's entropy is below sigma, static always,
-      off never). A dropped token stays in the denominator (UloRL Eq. 10) and keeps its KL term."""
+    """(loss_mask, pg_mask), [b, T] each. loss_mask: what the loss averages over (--overlong filter drops truncated
+    samples whole, as DAPO). pg_mask: where the policy-gradient term trains; DMMPTs (UloRL 3.2) drop the mastered
+    tokens of positive samples, which stay in the denominator with their KL term (UloRL Eq. 10)."""
     loss_mask = mb.resp_mask.clone() & (not mb.empty)
     if cfg.overlong == "filter":
         loss_mask &= ~mb.truncated[:, None]
@@ -118,10 +115,8 @@ def token_masks(mb: MicroBatch, current: torch.Tensor, entropy: torch.Tensor, cf
 
 
 def staleness(samples: list, version: int) -> dict:
-    """How many policy versions behind `version` (the weights being updated) the trained tokens were sampled,
-    and the samples' last segments: a sample that finished early waits in the experience pool while its
-    group completes, and surplus ready groups carry over to the next step; both are off-policy in ways
-    POIS does not correct. Counted per segment, so 128k-token samples cost nothing."""
+    """How many versions behind `version` the trained tokens, and the samples' last segments, were sampled: waiting
+    in the experience pool and carried-over groups are off-policy in ways POIS does not correct. Per segment."""
     tokens = lag_sum = lag_max = 0
     last = []
     for s in samples:
@@ -136,10 +131,8 @@ def staleness(samples: list, version: int) -> dict:
 
 
 def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg, ranks) -> list[list[MicroBatch]]:
-    """Mini-batches are optimizer steps (whole groups, in order); micro-batches are forward/backward calls.
-    `ranks` (distributed.Ranks): each trainer rank takes its share of every mini-batch, and a rank with fewer
-    micro-batches than another runs empty stand-ins (a real sample's shapes, nothing kept), so that every
-    rank's collectives line up."""
+    """Mini-batches (optimizer steps: whole groups, in order) of micro-batches (forward/backward calls), this rank's
+    share of each; a rank with fewer micro-batches runs empty stand-ins, so every rank's collectives line up."""
     per_mini = len(samples) if cfg.mini_batch <= 0 else cfg.mini_batch
     minis = []
     for lo in range(0, len(samples), per_mini):
@@ -161,10 +154,8 @@ def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg, ranks
 
 
 class Tally:
-    """The step's metrics over micro-batches and ranks, each added once where it is computed: Mean totals and
-    counts add up, Sum values add up, Max values take the largest, Covariance sums add up. `counted` False (an
-    empty stand-in, a sequence-parallel group's other ranks) adds nothing but the key, so that every rank reduces
-    the same keys."""
+    """The step's metrics over micro-batches and ranks: Mean, Sum and Covariance sums add up, Max takes the largest.
+    `counted` False (an empty stand-in, an --sp group's other ranks) adds only the key: every rank reduces the same."""
 
     def __init__(self):
         self.means, self.sums, self.maxes, self.covs = {}, {}, {}, {}
@@ -195,10 +186,8 @@ class Tally:
 @torch.no_grad()
 def old_ref_and_masks(policy, ref, minis: list[list[MicroBatch]], version: int, cfg, tally: Tally, ranks,
                       watch=None) -> None:
-    """Step 5, one pass with the weights about to be updated (policy version `version`): each micro-batch gets
-    pi_old (loss.old_logprobs), the reference's log-probs for the KL and the token masks; `tally` the entropy
-    and the masks' shares. `watch` (engine_gap.Watch) sees each forward and its log-probs: the engine/trainer
-    gap on the tokens these very weights sampled."""
+    """Step 5, one pass with the weights of version `version`: each micro-batch's pi_old (TOIS/SAIS/POIS), reference
+    log-probs and token masks; `watch` sees each forward, the gap on the tokens these weights sampled."""
     for mbs in minis:
         for mb in mbs:
             with watch.around(mb) if watch else contextlib.nullcontext():
@@ -238,19 +227,15 @@ def micro_batch_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tens
 
 
 def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg, tally: Tally, ranks) -> tuple[int, torch.Tensor]:
-    """Step 6: one optimizer step per mini-batch, gradients accumulated over its micro-batches (`ranks`, a
-    distributed.Ranks, wraps each backward: the gradient sync, a bf16 run's fp32 masters). An update whose loss
-    or gradient is NaN/inf on any rank is skipped: the optimizer never sees it. Returns (updates skipped, the
-    last gradient norm); the loss's metrics go to `tally`."""
+    """Step 6: an optimizer step per mini-batch, gradients summed over its micro-batches and ranks; one whose loss
+    or gradient is NaN/inf on any rank is skipped. Returns (updates skipped, the last gradient norm)."""
     policy.train()
     params = [p for g in opt.param_groups for p in g["params"]]  # what AdamW steps: fp32 in a bf16 run
     skipped, grad_norm = 0, torch.tensor(float("nan"))
     for mbs in minis:
-        # The one place that decides what the loss averages over: every loss_mask token (DMMPT-masked ones
-        # included, UloRL Eq. 10; overlong-filtered samples not) of *all* micro-batches of this optimizer
-        # step on all ranks (samples, for agg="sample"). DDP and FSDP average gradients over ranks; scaling
-        # by the world size makes it a sum. Under --sp each rank of a group computes the whole loss but its
-        # gradient flows through its own slice's tokens only: the group's gradients add up to the loss's.
+        # What the loss averages over (UloRL Eq. 10): the loss_mask tokens (samples, --agg sample) of every
+        # micro-batch of this step on every rank; DDP/FSDP average over ranks, so the world size makes it a sum;
+        # under --sp each rank's gradient flows through its own slice only, and the group's add up to the loss's
         local = sum(int(mb.loss_mask.sum()) if cfg.agg == "token" else int((mb.loss_mask.sum(1) > 0).sum())
                     for mb in mbs) if ranks.counted else 0
         denom = ranks.sum({"n": local})["n"]
@@ -262,8 +247,8 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg, tally: Tall
                 loss, metrics = micro_batch_loss(mb, logprobs, entropy, denom, cfg)
                 (loss * ranks.world).backward()
             finite &= bool(torch.isfinite(loss))
-            # loss/policy: the loss that trains, terms added in micro_batch_loss included. Each micro-batch's
-            # carries the step's denominator, so they add up to the update's; the step's is the mean over updates
+            # each micro-batch's loss carries the step's denominator, so they add up to the update's; loss/policy
+            # is their mean over the updates
             tally.add({**metrics, "loss/policy": Sum(loss.item() / len(minis))}, counted=not mb.empty and ranks.counted)
         grad_norm = ranks.clip_grads(params, cfg.grad_clip)
         if not (ranks.all_true(finite) and torch.isfinite(grad_norm)):
@@ -306,10 +291,8 @@ def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: in
 
 
 def after_update(record: dict, state: RunState, cfg, warn: bool = True) -> None:
-    """The policy version advances when an update changed the weights (`record` holds update()'s metrics): tokens
-    sampled from now on are stamped with it, and SAIS/TOIS name the weights that sampled them by it, so a step
-    whose every update was skipped for a NaN/inf loss or gradient keeps it. Skipped updates are reported;
-    --max-bad-steps steps in a row without any applied update stop the run."""
+    """The policy version advances when the weights changed (SAIS/TOIS name the weights that sampled a token by
+    it); --max-bad-steps steps in a row without an applied update stop the run."""
     if record["train/optimizer_steps"]:
         state.version += 1
     if not record["train/skipped_updates"]:
