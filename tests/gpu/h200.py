@@ -776,7 +776,8 @@ def unignored_files() -> set[str]:
     for d, dirs, files in os.walk(ROOT):
         rel_dir = os.path.relpath(d, ROOT)
         dirs[:] = [x for x in dirs if x != ".git" and not ignored(os.path.normpath(os.path.join(rel_dir, x)))]
-        out.update(rel for name in files if not ignored(rel := os.path.normpath(os.path.join(rel_dir, name))))
+        out.update(rel for name in files  # a git worktree's .git is a file naming the repository: not the project's
+                   if name != ".git" and not ignored(rel := os.path.normpath(os.path.join(rel_dir, name))))
     return out
 
 
