@@ -270,3 +270,19 @@ def test_a_round_the_engine_fails_is_retried_with_every_sample_it_held(tok, lm):
     where = [s.uid for s in trained + pools.unfinished + [s for g in pools.experience.values() for s in g]
              + [s for g in state.ready for s in g]]
     assert sorted(where) == list(range(pools.next_uid))
+
+
+@pytest.mark.parametrize("trained_version, probing", [(0, True), (1, False)])
+def test_an_overlapped_batch_probes_when_no_trained_token_is_of_the_current_weights(trained_version, probing):
+    """--overlap: the step's rollout ran during the last update (on version 0's weights); the trainer is at version
+    1. The batch probes the engine exactly when none of its tokens were sampled by the current weights, and
+    records how many versions behind the decoding weights were."""
+    import rollouts
+    from config import parse_config
+    from ulorl import RunState
+    sample = Sample(0, 0, [1, 2], {}, tokens=[3, 4], versions=[0, trained_version], seg_starts=[0, 1])
+    ahead = rollouts.Prefetched({**rollouts.new_record(Pools()), "rollout/rounds": 1}, [], 0)
+    state = RunState(version=1, ready=[[sample]], prefetched=ahead)
+    cfg = parse_config(["--train-groups", "1", "--overlap", "1", "--engine", "hf"])
+    batch = rollouts.Overlapped(None, Pools(), [], state, None, Sampling(1.0), cfg, None).next()
+    assert batch.groups == [[sample]] and batch.probing is probing and batch.record["staleness/engine_lag"] == 1
