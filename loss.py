@@ -36,10 +36,9 @@ def _chunk_logprobs_entropy(hidden, weight, targets, temperature):
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                    chunk: int = LM_HEAD_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each target token and the full-vocabulary entropy at each position, from the last hidden
-    states [N, H] and the lm_head weight [V, H]. Computed `chunk` positions at a time; with grad enabled
-    each chunk is checkpointed, so neither the forward nor the backward ever holds more than [chunk, V]
-    logits (an [8k, 151k] fp32 logits tensor alone would be 5 GB). Returns (logprobs [N], entropy [N])."""
+    """(log-prob of each target [N], full-vocabulary entropy [N]) from hidden states [N, H] and lm_head [V, H],
+    `chunk` positions at a time, each checkpointed under grad: never more than [chunk, V] logits (all 8k x 151k
+    fp32 would be 5 GB)."""
     logps, ents = [], []
     for i in range(0, hidden.shape[0], chunk):
         args = (hidden[i:i + chunk], weight, targets[i:i + chunk], temperature)
@@ -67,15 +66,11 @@ def mpt_mask(logprobs: torch.Tensor, entropy: torch.Tensor, rewards: torch.Tenso
 
 def old_logprobs(is_mode: str, current: torch.Tensor, behaviour: torch.Tensor, token_versions: torch.Tensor,
                  current_version: int) -> torch.Tensor:
-    """pi_old of the importance ratio (UloRL 3.1), [B, T]. `current`: the trainer's log-probs under the
-    weights about to be updated (policy version `current_version`); `behaviour`: the engine's log-probs when
-    each token was sampled, by the version in `token_versions` [B, T].
-    - tois (one segment, so every token was sampled by the current weights): the trainer's recomputed
-      log-probs, as verl does; the ratio starts at exactly 1.
-    - sais (Eq. 8): each token's own segment's policy: the trainer's recomputed log-probs for the tokens the
-      current weights sampled, the stored behaviour log-probs for the tokens older versions sampled.
-    - pois: the current weights' log-probs for every token, so the ratio starts at exactly 1 for all of them
-      (pseudo on-policy; UloRL's choice): only the last segment is truly on-policy."""
+    """pi_old of the importance ratio (UloRL 3.1), [B, T], from the trainer's log-probs under version
+    `current_version` (`current`) and the engine's at sampling time (`behaviour`, by `token_versions`).
+    tois: `current` (one segment: the current weights sampled every token). sais (Eq. 8): each token's own
+    segment's policy: `current` where the current weights sampled, `behaviour` elsewhere. pois: `current`
+    everywhere, the ratio starting at exactly 1 (pseudo on-policy, UloRL's choice)."""
     if is_mode == "pois":
         return current
     if is_mode in ("tois", "sais"):
@@ -111,11 +106,9 @@ class Sum(float):
 
 
 class Covariance(float):
-    """A metric that is the covariance of x and y over a step's N items, or the part of it that a subset of them
-    carries: the subset's sum of (x - mean x)(y - mean y) over N, the means over all N items, so that the parts of
-    disjoint subsets add up to the whole. It carries its sums, so that micro-batches and ranks add up to the step's
-    value. Cui et al. 2025 (arXiv 2505.22617): a policy-gradient step lowers the entropy by about the covariance
-    of the sampled tokens' log-probs and their advantages; tokens that are likely and rewarded push it down."""
+    """The covariance of x and y over a step's N items, or a subset's part of it (its sum of (x - mean x)(y - mean y)
+    over N: disjoint parts add up), carrying its sums so that micro-batches and ranks add up. Cui et al. 2025
+    (arXiv 2505.22617): a policy-gradient step lowers the entropy by about that of log-probs and advantages."""
 
     def __new__(cls, x: torch.Tensor, y: torch.Tensor, subset: torch.Tensor | None = None):
         x, y = x.double().flatten(), y.double().flatten()
@@ -152,14 +145,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 denom: float | torch.Tensor | None = None, tis_cap: float | None = None,
                 behaviour_logprobs: torch.Tensor | None = None, pg_mask: torch.Tensor | None = None,
                 clip_ratio_c: float = 0.0) -> tuple[torch.Tensor, dict]:
-    """UloRL Eq. 10 as a loss to minimise: 1/sum_i|o_i| * sum_i sum_t [1 - I_msk(i,t)] * -min(r A, clip(r) A), with
-    ProRL's decoupled clip (1 - eps_low, 1 + eps_high), verl's dual clip (for A < 0 at most -A * clip_ratio_c;
-    0 = off), the TIS weight (tis_cap; None = off) and + kl_coef * k3. r = exp(logp - old), the log-ratio
-    clamped to +-20. Tensors [B, T] (advantages [B] or [B, T]). mask: the tokens the loss averages over, each
-    with its KL term; pg_mask (default mask): where the policy-gradient term counts (DMMPTs drop the rest).
-    agg: "token" (DAPO; both papers) or "sample" (GRPO), see aggregate; denom: the step's count over every
-    micro-batch and rank, so a split batch's gradients sum to the whole's. Metrics: ratio and clip statistics
-    over pg_mask tokens, the KL over mask tokens."""
+    """UloRL Eq. 10 to minimise: 1/sum_i|o_i| * sum_i sum_t [1 - I_msk(i,t)] * -min(r A, clip(r) A) + kl_coef * k3,
+    r = exp(logp - old); ProRL's decoupled clip (1 - eps_low, 1 + eps_high), verl's dual clip (A < 0: at most
+    -A * clip_ratio_c; 0 off), TIS (tis_cap; None off). Tensors [B, T] (advantages [B] or [B, T]). mask: what the
+    loss averages over, each token with its KL; pg_mask (default mask): where the policy gradient counts (DMMPTs).
+    agg: "token" (DAPO, both papers) or "sample" (GRPO); denom: the step's count over micro-batches and ranks."""
     loss_mask = mask.bool()
     pg_mask = loss_mask if pg_mask is None else pg_mask.bool() & loss_mask
     adv = advantages[:, None] if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]

@@ -213,6 +213,7 @@ class MicroBatch:
     loss_mask: torch.Tensor | None = None  # [b, T] bool: the tokens the loss averages over (its denominator)
     pg_mask: torch.Tensor | None = None  # [b, T] bool: the loss_mask tokens whose policy-gradient term trains
     empty: bool = False  # a stand-in that trains nothing (ranks with fewer micro-batches run these)
+    counted: bool = True  # its tokens count in sums over ranks: not a stand-in, nor an --sp group's other ranks' copy
 
     def to(self, device) -> "MicroBatch":
         for f in fields(self):

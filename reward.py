@@ -15,10 +15,8 @@ from systems import workers as pool  # score_batch's `workers` is a count
 
 def score_samples(samples: list, texts: list[str], max_len: int, overlong: str = "zero", overlong_buffer: int = 0,
                   timeout: float = 5.0, judge: "Judge | None" = None, batch_timeout: float = 0.0) -> dict:
-    """Set the reward of every sample (segment_rollout.Sample; `texts` are their decoded responses): its
-    verifier's score, the judge's verdict where it is asked, then the overlong rule for truncated samples
-    ("filter" leaves rewards alone: the update drops those samples). Training and evaluation both score here.
-    Returns {"reward/timeouts", "reward/errors"} (and "reward/judge_calls" with a judge)."""
+    """Each sample's reward from its decoded text: its verifier's score, the judge's verdict where asked, then the
+    overlong rule ("filter" leaves rewards alone: the update drops those samples). Returns the reward/* counts."""
     items = [(s.row["verifier"], without_prompt(s.row, t), s.row["answer"]) for s, t in zip(samples, texts)]
     rewards, metrics = score_batch(items, timeout=timeout, batch_timeout=batch_timeout)
     if judge is not None and samples:
@@ -49,10 +47,8 @@ def without_prompt(row: dict, text: str) -> str:
 
 def score_batch(items: list[tuple[str, str, str]], timeout: float = 5.0, workers: int = 2,
                 batch_timeout: float = 0.0) -> tuple[list[float], dict]:
-    """Score (verifier_name, response_text, answer) items in parallel worker processes. Returns one
-    reward per item, in order, and {"reward/timeouts", "reward/errors"}; a check that raises or
-    runs past `timeout` seconds scores 0.0, and so does every check left when the call has run
-    `batch_timeout` seconds (> 0: the bound of the whole batch). An unknown verifier name raises ValueError."""
+    """Score (verifier, response, answer) items in worker processes: one reward each, in order, and the reward/*
+    counts. A check that raises or runs past `timeout` s scores 0, as does every check left at `batch_timeout` s."""
     for name in {name for name, _, _ in items}:
         if name not in registry.VERIFIERS:
             raise ValueError(f"unknown verifier {name!r}; known: {sorted(registry.VERIFIERS)}")

@@ -195,6 +195,7 @@ class Run:
     tokenizer: object
     masters: object  # distributed.MasterWeights: the fp32 weights AdamW steps in a bf16 run outside FSDP (else None)
     ranks: distributed.Ranks  # what the update needs of the trainer ranks (ulorl.update)
+    watch: Watch  # the engine/trainer gap check, on the policy's forwards (systems/engine_gap.py)
     opt: torch.optim.Optimizer
     sched: object
     state: RunState
@@ -211,9 +212,6 @@ class Run:
 
     def reset_reference(self) -> None:  # ProRL: reference <- policy, fresh AdamW moments
         ulorl.reset_reference(self.lm, self.ref_lm, self.opt, self.ref)
-
-    def watch(self) -> Watch:  # the step's engine/trainer gap check (systems/engine_gap.py), fed by the update
-        return Watch(self.cfg, self.state.engine_kl, self.lm)
 
     def memory_peaks(self) -> dict:  # the memory/* metrics
         return placement.memory_peaks(self.cfg, self.host_before)
@@ -250,7 +248,8 @@ def set_up(cfg: Config) -> Run | None:
     torch.manual_seed(cfg.seed + rank)
     rows, eval_rows = load_data(cfg, lead)  # data before models: a bad row stops the run at once
     host_before = plan_lib.reset_host_peak()
-    policy, ref, lm, ref_lm, tokenizer, masters = placement.load_models(cfg, resume_from, world)
+    watch = Watch(cfg)
+    policy, ref, lm, ref_lm, tokenizer, masters = placement.load_models(cfg, resume_from, world, watch)
     replay_routing(cfg, lm, ref_lm)
     load_peak = distributed.all_max(plan_lib.host_peak() - host_before) / 2**20  # MiB, the largest rank's
     opt = torch.optim.AdamW(masters.parameters() if masters else policy.parameters(), lr=cfg.lr,
@@ -258,8 +257,8 @@ def set_up(cfg: Config) -> Run | None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(ulorl.lr_factor, cfg=cfg))
     state = RunState(run_id=run_id)
     ranks = distributed.Ranks(policy, masters, seqpar.sp_size())
-    run = Run(cfg, world, lead, threads, policy, ref, lm, ref_lm, tokenizer, masters, ranks, opt, sched, state, host_before,
-              eval_rows=eval_rows, out=out, out_lock=out_lock, startup=startup_metrics(load_peak, plan))
+    run = Run(cfg, world, lead, threads, policy, ref, lm, ref_lm, tokenizer, masters, ranks, watch, opt, sched, state,
+              host_before, eval_rows=eval_rows, out=out, out_lock=out_lock, startup=startup_metrics(load_peak, plan))
     pools = Pools()
     if lead:
         run.engine = placement.rollout_engine(cfg, lm, tokenizer, resume_from or cfg.model, world, engine_mem)
@@ -343,8 +342,10 @@ def main(cfg: Config) -> None:
         probe = (lambda: run.ranks.from_lead(rollouts.probe() if lead else None)) if probing else None
 
         # 5-6. pi_old, reference log-probs and DMMPT mask, the clipped loss, the optimizer (each rank its share)
+        run.watch.start(state.version, state.engine_kl)  # the engine/trainer gap on the tokens these weights sampled
         record.update(ulorl.update(run.policy, run.ref, run.opt, run.sched, groups, state.version,
-                                   run.tokenizer.pad_token_id, cfg, run.ranks, run.watch(), probe))
+                                   run.tokenizer.pad_token_id, cfg, run.ranks, probe))
+        record.update(run.watch.metrics())
         record.update(run.memory_peaks())
         ulorl.after_update(record, state, cfg, warn=lead)  # the policy version advances if the weights changed
         if cfg.ref_reset_every and step % cfg.ref_reset_every == 0:

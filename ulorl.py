@@ -46,7 +46,6 @@ Simplifications of the papers, all of them:
     problems solved k of k, majority disagreement); UloRL's rewriting of multiple-choice and proof questions
     into short-answer ones is not automated.
 """
-import contextlib
 import math
 import sys
 from dataclasses import dataclass, field
@@ -132,7 +131,8 @@ def staleness(samples: list, version: int) -> dict:
 
 def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg, ranks) -> list[list[MicroBatch]]:
     """Mini-batches (optimizer steps: whole groups, in order) of micro-batches (forward/backward calls), this rank's
-    share of each; a rank with fewer micro-batches runs empty stand-ins, so every rank's collectives line up."""
+    share of each; a rank with fewer micro-batches runs empty stand-ins, so every rank's collectives line up.
+    `ranks` (distributed.Ranks): what the update needs of the trainer ranks."""
     per_mini = len(samples) if cfg.mini_batch <= 0 else cfg.mini_batch
     minis = []
     for lo in range(0, len(samples), per_mini):
@@ -143,11 +143,11 @@ def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg, ranks
         collated = []
         for mb_idx in mbs:
             mb = model_lib.collate([samples[i] for i in mb_idx], pad_id, cfg.device, cfg.pack)
-            mb.adv = adv[mb_idx].to(cfg.device)
+            mb.adv, mb.counted = adv[mb_idx].to(cfg.device), ranks.counted
             collated.append(mb)
         for _ in range(ranks.most(len(mbs)) - len(mbs)):
             mb = model_lib.collate([samples[0]], pad_id, cfg.device, cfg.pack)
-            mb.adv, mb.empty = torch.zeros(1, device=cfg.device), True
+            mb.adv, mb.empty, mb.counted = torch.zeros(1, device=cfg.device), True, False
             collated.append(mb)
         minis.append(collated)
     return minis
@@ -155,7 +155,7 @@ def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg, ranks
 
 class Tally:
     """The step's metrics over micro-batches and ranks: Mean, Sum and Covariance sums add up, Max takes the largest.
-    `counted` False (an empty stand-in, an --sp group's other ranks) adds only the key: every rank reduces the same."""
+    `counted` False (MicroBatch.counted) adds only the key: every rank reduces the same."""
 
     def __init__(self):
         self.means, self.sums, self.maxes, self.covs = {}, {}, {}, {}
@@ -184,41 +184,31 @@ class Tally:
 
 
 @torch.no_grad()
-def old_ref_and_masks(policy, ref, minis: list[list[MicroBatch]], version: int, cfg, tally: Tally, ranks,
-                      watch=None) -> None:
+def old_ref_and_masks(policy, ref, minis: list[list[MicroBatch]], version: int, cfg, tally: Tally) -> None:
     """Step 5, one pass with the weights of version `version`: each micro-batch's pi_old (TOIS/SAIS/POIS), reference
-    log-probs and token masks; `watch` sees each forward, the gap on the tokens these weights sampled."""
+    log-probs and token masks."""
     for mbs in minis:
         for mb in mbs:
-            with watch.around(mb) if watch else contextlib.nullcontext():
-                current, entropy = policy(mb, cfg.temperature)
+            current, entropy = policy(mb, cfg.temperature)
             mb.old_logprobs = old_logprobs(cfg.is_mode, current, mb.behaviour, mb.versions, version)
             if ref is not None:
                 mb.ref_logprobs = ref(mb, cfg.temperature)[0]
             mb.loss_mask, mb.pg_mask = token_masks(mb, current, entropy, cfg)
-            counted = not mb.empty and ranks.counted
             tokens = int(mb.resp_mask.sum())
-            # the covariance of the log-prob of each token the loss averages over and its advantage, and the
-            # parts of it the tokens DMMPTs mask and those that train carry (the entropy the step would take away)
+            # log-prob/advantage covariance (the entropy a step takes away): all, DMMPT-masked and trained tokens
             lp, adv = current[mb.loss_mask], mb.adv[:, None].expand_as(current)[mb.loss_mask]
             masked = ~mb.pg_mask[mb.loss_mask]
             tally.add({"entropy/mean": Mean(entropy[mb.resp_mask].sum().item(), tokens),
-                       # of the response tokens: dropped from the policy-gradient term by DMMPTs (still in the
-                       # denominator and the KL), and left out of the loss whole by --overlong filter
                        "mpt/masked_frac": Mean(int(mb.loss_mask.sum()) - int(mb.pg_mask.sum()), tokens),
                        "overlong/filtered_frac": Mean(tokens - int(mb.loss_mask.sum()), tokens),
                        "entropy/cov": Covariance(lp, adv), "entropy/cov_masked": Covariance(lp, adv, masked),
-                       "entropy/cov_trained": Covariance(lp, adv, ~masked)}, counted)
-            if watch and counted:
-                watch.add(mb, current)
+                       "entropy/cov_trained": Covariance(lp, adv, ~masked)}, mb.counted)
 
 
 def micro_batch_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, denom: int,
                      cfg) -> tuple[torch.Tensor, dict]:
-    """Step 6 on one micro-batch, tensors [b, T]: the loss --policy-loss names (the clipped one: UloRL Eq. 10) of
-    `logprobs` against pi_old, with the DMMPT mask and the KL, over the step's count `denom`. An entropy bonus:
-    `loss - coef * loss.aggregate(torch.where(mb.loss_mask, entropy, 0), mb.loss_mask, cfg.agg, denom)`; a new
-    metric (loss.Mean, Sum or Max) lands in metrics.jsonl as its value over the step."""
+    """Step 6 on one micro-batch: the loss --policy-loss names (clipped: UloRL Eq. 10) over the step's count
+    `denom`. A metric it returns (loss.Mean, Sum or Max) lands in metrics.jsonl as its value over the step."""
     loss, metrics = registry.function(registry.POLICY_LOSSES[cfg.policy_loss])(
         logprobs=logprobs, old_logprobs=mb.old_logprobs, advantages=mb.adv, mask=mb.loss_mask, pg_mask=mb.pg_mask,
         eps_low=cfg.eps_low, eps_high=cfg.eps_high, clip_ratio_c=cfg.clip_ratio_c, ref_logprobs=mb.ref_logprobs,
@@ -233,11 +223,10 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg, tally: Tall
     params = [p for g in opt.param_groups for p in g["params"]]  # what AdamW steps: fp32 in a bf16 run
     skipped, grad_norm = 0, torch.tensor(float("nan"))
     for mbs in minis:
-        # What the loss averages over (UloRL Eq. 10): the loss_mask tokens (samples, --agg sample) of every
-        # micro-batch of this step on every rank; DDP/FSDP average over ranks, so the world size makes it a sum;
-        # under --sp each rank's gradient flows through its own slice only, and the group's add up to the loss's
+        # UloRL Eq. 10's denominator: the loss_mask tokens (--agg sample: samples) of every micro-batch and rank;
+        # DDP/FSDP average over ranks, so x world makes it a sum (--sp: each rank's slice adds to its group's)
         local = sum(int(mb.loss_mask.sum()) if cfg.agg == "token" else int((mb.loss_mask.sum(1) > 0).sum())
-                    for mb in mbs) if ranks.counted else 0
+                    for mb in mbs if mb.counted)
         denom = ranks.sum({"n": local})["n"]
         opt.zero_grad(set_to_none=True)
         finite = True
@@ -247,9 +236,7 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg, tally: Tall
                 loss, metrics = micro_batch_loss(mb, logprobs, entropy, denom, cfg)
                 (loss * ranks.world).backward()
             finite &= bool(torch.isfinite(loss))
-            # each micro-batch's loss carries the step's denominator, so they add up to the update's; loss/policy
-            # is their mean over the updates
-            tally.add({**metrics, "loss/policy": Sum(loss.item() / len(minis))}, counted=not mb.empty and ranks.counted)
+            tally.add({**metrics, "loss/policy": Sum(loss.item() / len(minis))}, counted=mb.counted)
         grad_norm = ranks.clip_grads(params, cfg.grad_clip)
         if not (ranks.all_true(finite) and torch.isfinite(grad_norm)):
             opt.zero_grad(set_to_none=True)
@@ -262,31 +249,24 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg, tally: Tall
     return skipped, grad_norm
 
 
-def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg, ranks, watch=None,
-           probe=None) -> dict:
+def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg, ranks, probe=None) -> dict:
     """Steps 5-6 on a batch of complete, informative groups (the same batch on every rank), with the weights of
     policy version `version`; `policy` and `ref` map a micro-batch to response log-probs and entropy (placement.wrap).
-    `ranks` (distributed.Ranks) is what the update needs of the trainer ranks; `watch` (engine_gap.Watch) checks
-    the engine against these weights before the optimizer steps; `probe` (--overlap): called by every rank after
-    its pass over the batch, it returns samples the current weights decoded, for the watch alone. Returns the
-    step's metrics."""
+    `probe` (--overlap): called by every rank after its pass over the batch, it returns samples the current
+    weights decoded, whose log-probs only the engine/trainer gap check sees. Returns the step's metrics."""
     samples = [s for g in groups for s in g]
     minis = plan_micro_batches(samples, sample_advantages(groups), pad_id, cfg, ranks)
     tally = Tally()
-    if watch:
-        watch.start(version)
-    old_ref_and_masks(policy, ref, minis, version, cfg, tally, ranks, watch)
-    if watch and probe is not None and (probes := probe()):  # their log-probs beside the engine's, nothing more
-        probed = plan_micro_batches(probes, torch.zeros(len(probes)), pad_id, cfg, ranks)
-        old_ref_and_masks(policy, None, probed, version, cfg, Tally(), ranks, watch)
-    if watch:
-        watch.check()
+    old_ref_and_masks(policy, ref, minis, version, cfg, tally)
+    if probe is not None and (probes := probe()):
+        old_ref_and_masks(policy, None, plan_micro_batches(probes, torch.zeros(len(probes)), pad_id, cfg, ranks),
+                          version, cfg, Tally())
     skipped, grad_norm = optimize(policy, opt, sched, minis, cfg, tally, ranks)
     out = tally.reduce(ranks)
     out.update({"train/samples": len(samples), "train/lr": sched.get_last_lr()[0],
                 "train/grad_norm": grad_norm.item(),
                 "train/optimizer_steps": len(minis) - skipped, "train/skipped_updates": skipped,
-                **(watch.metrics() if watch else {}), **staleness(samples, version)})
+                **staleness(samples, version)})
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in out.items()}  # JSON: no NaN
 
 

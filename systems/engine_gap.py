@@ -1,7 +1,7 @@
 """The engine/trainer gap check: a rollout engine that disagrees with the trainer about the tokens the very
-same weights sampled is stale (a weight sync that did not land) or wrong (weights, kernels). The update's pass
-before the optimizer shows a `Watch` each micro-batch's log-probs beside the engine's (and, under
---routing-replay, its routing); `check` stops the run (or warns) before the optimizer steps.
+same weights sampled is stale (a weight sync that did not land) or wrong (weights, kernels). A `Watch` wraps the
+trainer's forward: the update's pass before the optimizer shows it each micro-batch's log-probs beside the
+engine's (and, under --routing-replay, its routing); `check` stops the run (or warns) before the optimizer steps.
 """
 import sys
 
@@ -110,35 +110,53 @@ def check(kl: float, diff_max: float, cfg, recent: list) -> None:
         print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
 
-
-
 class Watch:
-    """What the trainer watches of the engine during one update, handed to it by the trainer (ulorl.update): the
-    pass with the weights of policy version `start(version)` shows it each micro-batch's forward (`around`: the
-    routing the engine chose against the trainer's router, --routing-replay) and log-probs (`add`: the gap on
-    the tokens these very weights sampled); `check` then stops a run whose engine is stale, and `metrics` reports
-    both. `recent`: RunState.engine_kl, the jump test's history; `lm`: the trainer's model (its routers)."""
+    """The engine/trainer gap check, applied to the trainer's forward where the model is built (placement.wrap):
+    armed for a step by `start` (the policy version whose tokens it compares, and `recent`, RunState.engine_kl:
+    the jump test's history), it sees each forward of the pass before the optimizer (no gradients): the routing
+    the engine chose against the trainer's router (--routing-replay), and the log-probs of the tokens these very
+    weights sampled. The step's first forward with gradients, the optimizer's, runs `check` first: every rank's
+    sums combined, then a stale engine stops the run before any weight moves."""
 
-    def __init__(self, cfg, recent: list, lm=None):
-        self.cfg, self.recent, self.lm = cfg, recent, lm
+    def __init__(self, cfg):
+        self.cfg, self.version, self.recent, self.armed = cfg, 0, [], False
+        self.gap, self.routes = Gap(), RoutingMismatch(0)
 
-    def start(self, version: int) -> None:
-        self.version, self.gap, self.routes = version, Gap(), RoutingMismatch(version, self.lm)
+    def start(self, version: int, recent: list) -> None:
+        self.version, self.recent, self.armed = version, recent, True
+        self.gap, self.routes = Gap(), RoutingMismatch(version)
 
-    def around(self, mb):
-        return self.routes.counting(mb)
+    def around(self, tokens):
+        """`tokens` (model.response_tokens, as wrapped) watched."""
+        def run(lm, mb, temperature):
+            if not self.armed:
+                return tokens(lm, mb, temperature)
+            if torch.is_grad_enabled():  # the optimizer's pass begins
+                self.check()
+                return tokens(lm, mb, temperature)
+            with self.routes.counting(lm, mb):
+                logprobs, entropy = tokens(lm, mb, temperature)
+            if mb.counted:
+                self.add(mb, logprobs)
+            return logprobs, entropy
+        return run
 
     def add(self, mb, logprobs: torch.Tensor) -> None:
-        sampled_now = mb.versions == self.version
-        self.gap.add(logprobs[sampled_now], mb.behaviour[sampled_now])
+        """The trainer's log-probs of `mb`'s response tokens ([N], in order), beside the engine's."""
+        sampled_now = mb.versions[mb.resp_mask] == self.version
+        self.gap.add(logprobs[sampled_now], mb.behaviour[mb.resp_mask][sampled_now])
 
     def check(self) -> None:
         """Every rank's sums combined, then the check (every rank calls it)."""
+        self.armed = False
         self.gap.reduce()
         if (kl := self.gap.kl()) is not None:
             check(kl, self.gap.largest, self.cfg, self.recent)
 
     def metrics(self) -> dict:
+        """The step's rollout/* gap metrics (every rank calls it)."""
+        if self.armed:  # a step with no optimizer pass
+            self.check()
         out = self.gap.metrics()
         if self.cfg.routing_replay != "false":
             out.update(self.routes.metrics())

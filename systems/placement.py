@@ -250,22 +250,26 @@ def check_disk(cfg: Config, sizes: dict) -> None:
 
 # ------------------------------------------------------------------------------------- loading
 
-def wrap(lm, parallel: str, trainable: bool = True, compute_dtype: torch.dtype | None = None, offload: bool = False):
+def wrap(lm, parallel: str, trainable: bool = True, compute_dtype: torch.dtype | None = None, offload: bool = False,
+         watch=None):
     """The module the trainer calls: Policy(lm), its forward run on this rank's slice of a packed row under the
-    packed kernels and --sp (seqpar.sliced) and through the engine's experts under --routing-replay
-    (routing.replayed), in one process or under DDP or FSDP2 (distributed.wrap)."""
-    policy = model_lib.Policy(lm, seqpar.sliced(routing.replayed(model_lib.response_tokens)))
+    packed kernels and --sp (seqpar.sliced), through the engine's experts under --routing-replay
+    (routing.replayed) and seen by the engine/trainer gap check (`watch`, an engine_gap.Watch), in one process
+    or under DDP or FSDP2 (distributed.wrap)."""
+    tokens = seqpar.sliced(routing.replayed(model_lib.response_tokens))
+    policy = model_lib.Policy(lm, watch.around(tokens) if watch else tokens)
     return distributed.wrap(policy, lm.get_decoder().layers, parallel, trainable, compute_dtype, offload)
 
 
-def load_models(cfg: Config, resume_from: str | None, world: int):
+def load_models(cfg: Config, resume_from: str | None, world: int, watch=None):
     """(policy, reference, lm, ref_lm, tokenizer, masters): the modules the trainer calls (wrap; reference
     None without a KL), the Hugging Face models inside them, and the fp32 master weights AdamW steps when the
     run computes in bf16 outside FSDP (distributed.MasterWeights; else None), from the checkpoint when resuming.
     Under FSDP no rank ever holds the whole model: each builds it on the meta device, shards it and reads only
     its own shards from the checkpoint, a layer at a time (load_sharded). A bf16 run computes in bf16 over
     fp32 master weights in every mode (FSDP2's own mixed precision under fsdp); they load in fp32 here, and a
-    resume then restores the masters themselves from the trainer state (checkpoint.load)."""
+    resume then restores the masters themselves from the trainer state (checkpoint.load). `watch` sees the
+    policy's forwards (wrap)."""
     compute = None if cfg.dtype == "float32" else model_lib.DTYPES[cfg.dtype]
     path = resume_from or cfg.model
     ref_path = os.path.join(resume_from, "reference") if resume_from else cfg.model
@@ -275,7 +279,7 @@ def load_models(cfg: Config, resume_from: str | None, world: int):
     if world > 1 and cfg.parallel == "fsdp":  # (offload: the reference's fp32 shards too, as large as the masters)
         offload = cfg.offload_optimizer == "true"
         policy, lm, tokenizer = load_sharded(path, "float32", cfg.device, cfg.gradient_checkpointing, *yarn,
-                                                       compute_dtype=compute, offload=offload)
+                                                       compute_dtype=compute, offload=offload, watch=watch)
         if cfg.kl_coef > 0:
             ref, ref_lm, _ = load_sharded(ref_path, "float32", cfg.device, False, *yarn, trainable=False,
                                                     compute_dtype=compute, offload=offload)
@@ -286,13 +290,13 @@ def load_models(cfg: Config, resume_from: str | None, world: int):
     if cfg.kl_coef > 0:  # frozen: no masters, it computes in the run's dtype
         ref_lm = model_lib.load(ref_path, cfg.dtype, cfg.device, False, *yarn)[0].eval().requires_grad_(False)
         ref = wrap(ref_lm, mode, trainable=False)
-    return wrap(lm, mode, compute_dtype=compute), ref, lm, ref_lm, tokenizer, masters
+    return wrap(lm, mode, compute_dtype=compute, watch=watch), ref, lm, ref_lm, tokenizer, masters
 
 
 def load_sharded(name_or_path: str, dtype: str = "float32", device: str = "cpu", gradient_checkpointing: bool = False,
                  rope_scaling_factor: float = 0.0, rope_original_max_positions: int = 0,
                  attn_implementation: str = "sdpa", trainable: bool = True, compute_dtype: torch.dtype | None = None,
-                 offload: bool = False):
+                 offload: bool = False, watch=None):
     """(wrapped module, model, tokenizer) under FSDP2 without any rank holding the whole model: built on the
     meta device, sharded (wrap), then each rank allocates its shards and fills them from the checkpoint's
     safetensors, read a decoder layer at a time (fill_shards). Peak memory per rank: its shards + one layer.
@@ -304,7 +308,7 @@ def load_sharded(name_or_path: str, dtype: str = "float32", device: str = "cpu",
     lm.eval().requires_grad_(trainable)  # as from_pretrained leaves it (a frozen reference: no gradients)
     if gradient_checkpointing:
         lm.gradient_checkpointing_enable()
-    policy = wrap(lm, "fsdp", trainable=trainable, compute_dtype=compute_dtype, offload=offload)
+    policy = wrap(lm, "fsdp", trainable=trainable, compute_dtype=compute_dtype, offload=offload, watch=watch)
     buffers = {name: b.clone() for name, b in lm.named_buffers()}
     policy.to_empty(device="cpu" if offload else device)  # to_empty also empties the buffers: put them back
     for name, b in buffers.items():

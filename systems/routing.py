@@ -30,24 +30,24 @@ from systems import distributed
 
 class RoutingMismatch:
     """rollout/routing_mismatch: of the (token, layer) decisions the current weights (policy `version`) made in
-    the engine, the share the trainer's router (of `lm`) makes differently. Its forwards count into it inside
-    `counting`; a model without routing replay counts nothing."""
+    the engine, the share the trainer's router makes differently. Forwards count into it inside `counting`; a
+    model without routing replay counts nothing."""
 
-    def __init__(self, version: int, lm=None):
+    def __init__(self, version: int):
         self.version, self.differ, self.compared = version, 0, 0
-        self.routing = getattr(lm, "_ulorl_routing", None)
 
     @contextlib.contextmanager
-    def counting(self, mb):
-        if self.routing is None or mb.empty:
+    def counting(self, lm, mb):
+        """Around a forward of `lm` (its routers) on micro-batch `mb`."""
+        if (routing := getattr(lm, "_ulorl_routing", None)) is None or mb.empty:
             yield
             return
-        self.routing.counting = count = {"version": self.version, "differ": 0, "compared": 0}
+        routing.counting = count = {"version": self.version, "differ": 0, "compared": 0}
         try:
             yield
         finally:
             self.differ, self.compared = self.differ + count["differ"], self.compared + count["compared"]
-            self.routing.counting = None
+            routing.counting = None
 
     def metrics(self) -> dict:
         """Every rank's counts (each rank its own slice under --sp); every rank calls it."""

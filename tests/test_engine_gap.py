@@ -60,10 +60,16 @@ def test_the_gap_counts_only_the_tokens_the_current_weights_sampled():
 
     def kl(fresh_gap):
         engine = trainer + torch.where(versions == 3, fresh_gap, 5.0)
-        watch = engine_gap.Watch(parse_config(["--max-engine-kl", "0", "--engine-kl-jump", "0"]), [])
-        watch.start(3)
-        watch.add(SimpleNamespace(versions=versions, behaviour=engine), trainer)
-        watch.check()
+        mb = SimpleNamespace(versions=versions, behaviour=engine, resp_mask=versions >= 0, counted=True, empty=False)
+        watch = engine_gap.Watch(parse_config(["--max-engine-kl", "0", "--engine-kl-jump", "0"]))
+        watch.start(3, [])
+        forward = watch.around(lambda lm, mb, temperature: (trainer[mb.resp_mask], trainer[mb.resp_mask]))
+        with torch.no_grad():  # the pass before the optimizer: seen
+            forward(None, mb, 1.0)
+        assert watch.armed
+        forward(None, mb, 1.0)  # the optimizer's first forward: checked, and no more seen
+        assert not watch.armed
+        forward(None, mb, 1.0)
         return watch.gap.n, watch.gap.kl()
 
     assert kl(0.0) == (10, 0.0)

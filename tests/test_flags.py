@@ -264,8 +264,9 @@ def update(args, out, groups) -> dict:
                   ulorl.plan_micro_batches(samples, ulorl.sample_advantages(groups), run.tokenizer.pad_token_id,
                                            run.cfg, run.ranks)]
         before = [p.detach().clone() for p in run.lm.parameters()]
+        run.watch.start(2, run.state.engine_kl)
         metrics = ulorl.update(run.policy, run.ref, run.opt, run.sched, groups, 2, run.tokenizer.pad_token_id,
-                               run.cfg, run.ranks, run.watch())
+                               run.cfg, run.ranks) | run.watch.metrics()
         moved = torch.cat([(p.detach() - b).double().flatten() for p, b in zip(run.lm.parameters(), before)])
         return {"update": metrics, "weights": moved.tolist(), "layout": layout}
 
@@ -364,9 +365,9 @@ def gap_verdict(cfg) -> str:
     versions = torch.tensor([[1] * 64 + [0] * 32])
     trainer = torch.full((1, 96), -1.0)
     engine = trainer + torch.where(versions == 1, 0.02, 3.0)
-    watch = Watch(cfg, [2e-5] * 5)
-    watch.start(1)
-    watch.add(SimpleNamespace(versions=versions, behaviour=engine), trainer)
+    watch = Watch(cfg)
+    watch.start(1, [2e-5] * 5)
+    watch.add(SimpleNamespace(versions=versions, behaviour=engine, resp_mask=versions >= 0), trainer.flatten())
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):

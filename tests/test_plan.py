@@ -278,7 +278,7 @@ def test_collated_micro_batches_are_what_the_update_holds(pack):
                       versions=[0] * 24, finish="eos", reward=float(i % 2)) for i in range(6)]
     minis = ulorl.plan_micro_batches(samples, torch.zeros(6), 0, cfg, Ranks())
     policy = placement.wrap(lm, "none")
-    ulorl.old_ref_and_masks(policy, policy, minis, 1, cfg, ulorl.Tally(), Ranks())
+    ulorl.old_ref_and_masks(policy, policy, minis, 1, cfg, ulorl.Tally())
     held = sum(v.nbytes for mb in (m for mini in minis for m in mini) for k, v in vars(mb).items()
                if torch.is_tensor(v) and not k.startswith("replay"))
     planned = plan_lib.make_plan(plan_lib.Shape.of(lm.config), cfg, 1, 1, True).trainer["micro-batches (collated)"]

@@ -176,9 +176,11 @@ def test_every_trainer_forward_uses_the_engines_experts(routes):
     for name, module in (("policy", lm), ("reference", ref_lm)):
         Routing.of(module).recorded = used[name] = []
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-3)
-    out = ulorl.update(placement.wrap(lm, "none"), placement.wrap(ref_lm, "none", trainable=False), opt,
+    watch = Watch(cfg)
+    watch.start(0, [])
+    out = ulorl.update(placement.wrap(lm, "none", watch=watch), placement.wrap(ref_lm, "none", trainable=False), opt,
                        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), groups, 0, tok.pad_token_id, cfg,
-                       Ranks(), Watch(cfg, [], lm))
+                       Ranks()) | watch.metrics()
     samples = [s for g in groups for s in g]
     mb = model_lib.collate(samples, tok.pad_token_id, pack=True)
     want = replay_layout(mb.samples, mb.starts)[0].long()  # [layers, tokens, top_k]

@@ -62,7 +62,8 @@ def sgd_step(flags: list[str], split: int, groups: list, world: int = 1, sp: int
     samples = [s for g in groups for s in g]
     cfg = config.parse_config([*BASE, *flags])
     cfg.max_tokens_per_micro_batch = budget(samples, cfg.pack, world, sp, split)
-    policy, ref, lm, ref_lm, tok, masters = placement.load_models(cfg, None, world)
+    watch = Watch(cfg)  # the engine/trainer gap, on the tokens these weights sampled
+    policy, ref, lm, ref_lm, tok, masters = placement.load_models(cfg, None, world, watch)
     params = masters.parameters() if masters else list(policy.parameters())
     opt, stepped = torch.optim.SGD(params, lr=1.0), []
     # the norm of the gradients the optimizer steps with (FSDP2: every rank's shards)
@@ -75,9 +76,10 @@ def sgd_step(flags: list[str], split: int, groups: list, world: int = 1, sp: int
         return torch.cat([t.float().flatten() for t in tensors])
 
     before = weights()
-    watch = Watch(cfg, [], lm)  # the engine/trainer gap, on the tokens these weights sampled
+    watch.start(VERSION, [])
     out = ulorl.update(policy, ref, opt, sched, groups, VERSION, tok.pad_token_id, cfg,
-                       distributed.Ranks(policy, masters, sp), watch)
+                       distributed.Ranks(policy, masters, sp))
+    watch.metrics()
     return {"moved": weights() - before, "grad_norm": out["train/grad_norm"], "loss": out["loss/policy"],
             "gap_tokens": watch.gap.n, "stepped_norm": stepped[0]}
 

@@ -98,6 +98,36 @@ def test_update_ratio_metrics(tok, multi_version, is_mode):
         assert out["ratio/max"] > 1.0 + 1e-4
 
 
+@pytest.mark.parametrize("stale", [False, True])
+def test_the_gap_watch_stops_a_stale_engine_before_any_weight_moves(tok, multi_version, stale):
+    """The gap watch, applied where the model is wrapped and armed for version 2, sees the pass before the optimizer
+    and checks it at the optimizer's first forward: an engine whose log-probs of version 2's tokens are 1 nat off
+    (k3 e^1 - 2 = 0.72 a token, past --max-engine-kl 0.1) stops the update with every weight and the optimizer as
+    they were; the engine that sampled them (the same weights) passes, its KL ~0 on every version-2 token."""
+    from systems.engine_gap import Watch
+    policy, groups, _ = multi_version
+    policy, groups = copy.deepcopy(policy), copy.deepcopy(groups)
+    if stale:
+        for s in (s for g in groups for s in g):
+            s.logprobs = [lp - 1.0 if v == 2 else lp for lp, v in zip(s.logprobs, s.versions)]
+    cfg = config.parse_config(["--mini-batch", "0", "--lr", "1e-3"])
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    watch, before = Watch(cfg), copy.deepcopy(policy.state_dict())
+    watch.start(2, [])
+    fresh = sum(v == 2 for g in groups for s in g for v in s.versions)
+    wrapped = placement.wrap(policy, "none", watch=watch)
+    if stale:
+        with pytest.raises(RuntimeError, match="past --max-engine-kl 0.1"):
+            ulorl.update(wrapped, None, opt, sched, groups, 2, tok.pad_token_id, cfg, Ranks())
+        assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items()) and not opt.state
+        assert watch.gap.kl() == pytest.approx(math.e - 2, rel=1e-3)
+    else:
+        out = ulorl.update(wrapped, None, opt, sched, groups, 2, tok.pad_token_id, cfg, Ranks()) | watch.metrics()
+        assert out["train/optimizer_steps"] == 1 and out["rollout/engine_kl"] < 1e-6
+    assert watch.gap.n == fresh > 0
+
+
 def test_update_ratio_max_is_a_max_over_micro_batches(tok, multi_version):
     policy, groups, _ = multi_version
     samples = [s for g in groups for s in g]

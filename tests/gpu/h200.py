@@ -539,7 +539,8 @@ def part_layers(ctx: Ctx) -> dict:
                                               attn_implementation=seqpar.attention_name(cfg0.attn_implementation, 1))
     lm.gradient_checkpointing_enable()
     masters = distributed.MasterWeights(lm, torch.bfloat16)
-    policy = placement.wrap(lm, "none", compute_dtype=torch.bfloat16)
+    watch = Watch(cfg0)  # the engine/trainer gap, measured (its check off: no engine sampled these)
+    policy = placement.wrap(lm, "none", compute_dtype=torch.bfloat16, watch=watch)
     opt = torch.optim.AdamW(masters.parameters(), lr=cfg0.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     out.update(layers=config.num_hidden_layers, params_b=round(sum(p.numel() for p in lm.parameters()) / 1e9, 3),
@@ -560,8 +561,9 @@ def part_layers(ctx: Ctx) -> dict:
         t0 = time.time()
         row = {"lengths": list(lengths)}
         try:
-            metrics = ulorl.update(policy, None, opt, sched, groups, 0, 0, cfg, distributed.Ranks(policy, masters),
-                                   Watch(cfg, []))
+            watch.start(0, [])
+            metrics = ulorl.update(policy, None, opt, sched, groups, 0, 0, cfg, distributed.Ranks(policy, masters))
+            watch.metrics()
             row["optimizer_steps"] = metrics["train/optimizer_steps"]
         except torch.OutOfMemoryError as e:  # the figures up to here still say how far it got
             row.update(optimizer_steps=0, error=f"out of memory: {str(e)[:300]}")
@@ -608,18 +610,21 @@ def part_fsdp(ctx: Ctx) -> dict:
     cfg = update_config(ctx.device, sum(ctx.size["fsdp_rows"]), 32, "--lr", str(check.LR), "--parallel", "fsdp",
                         "--offload-optimizer", "true")
     t0 = time.time()
+    watch = Watch(cfg)
     policy, lm, tok = placement.load_sharded(path, "float32", f"cuda:{torch.cuda.current_device()}" if cuda else "cpu",
                                              True, check.YARN, check.SHAPE["max_position_embeddings"],
                                              seqpar.attention_name(cfg.attn_implementation, 1),
-                                             compute_dtype=torch.bfloat16, offload=True)
+                                             compute_dtype=torch.bfloat16, offload=True, watch=watch)
     out["load_s"] = round(time.time() - t0, 2)
     with torch.no_grad():
         before = [p.to_local().clone() for p in lm.parameters()]
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     t0 = time.time()
+    watch.start(0, [])
     metrics = ulorl.update(policy, None, opt, sched, made_up_group(ctx.size["fsdp_rows"], len(tok), 32), 0,
-                           tok.pad_token_id, cfg, distributed.Ranks(policy), Watch(cfg, []))
+                           tok.pad_token_id, cfg, distributed.Ranks(policy))
+    watch.metrics()
     out["step_s"] = round(time.time() - t0, 2)
     out["optimizer_steps"] = metrics["train/optimizer_steps"]
     with torch.no_grad():  # (read after the update: FSDP2 may give a parameter new local storage as it pins it)
@@ -694,7 +699,8 @@ def gradient_memory(device: str, world: int, parallel: str, compute_dtype=None, 
     lm = Qwen3ForCausalLM(Qwen3Config(**GRADIENT_SHAPE)).to(device)
     if keep:
         keep(lm)
-    policy = placement.wrap(lm, parallel, compute_dtype=compute_dtype)
+    watch = Watch(config.Config(on_engine_kl="warn"))
+    policy = placement.wrap(lm, parallel, compute_dtype=compute_dtype, watch=watch)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     gen = torch.Generator().manual_seed(1)
@@ -710,7 +716,9 @@ def gradient_memory(device: str, world: int, parallel: str, compute_dtype=None, 
         cfg = config.Config(max_tokens_per_micro_batch=micro_tokens * 2 // world, device=device, kl_coef=0.0,
                             on_engine_kl="warn")
         at_forward.clear()
-        ulorl.update(policy, None, opt, sched, groups, 0, 0, cfg, distributed.Ranks(policy), Watch(cfg, []))
+        watch.start(0, [])
+        ulorl.update(policy, None, opt, sched, groups, 0, 0, cfg, distributed.Ranks(policy))
+        watch.metrics()
         held[n] = [b - at_forward[0] for b in at_forward[1:]]
     if keep:
         keep(lm)
