@@ -128,6 +128,9 @@ class Config:
     ref_reset_on_stall: int = flag(0, "also reset them when held-out accuracy has not improved in K evaluations "
                                       "in a row (ProRL's other trigger); 0 = never",
                                    ok=at_least(0))
+    reset: str = flag("both", "what a reset renews: both (ProRL: the reference becomes the policy and AdamW forgets "
+                              "its moments), reference (the KL anchor alone) or optimizer (AdamW's moments alone)",
+                      choices=["both", "reference", "optimizer"])
     train_groups: int = flag(16, "train once this many informative complete groups are ready",
                              ok=at_least(1), group="batch and optimizer")
     mini_batch: int = flag(0, "samples per optimizer step; 0 = the whole batch, one update per step "
@@ -339,7 +342,7 @@ def parse_config(argv=None, description: str = __doc__) -> Config:
         cfg.eval_data = held_out_of(cfg.data, cfg.eval_every)
     for problem in config_problems(cfg):
         p.error(problem)
-    if (cfg.ref_reset_every or cfg.ref_reset_on_stall) and cfg.kl_coef == 0:
+    if (cfg.ref_reset_every or cfg.ref_reset_on_stall) and cfg.kl_coef == 0 and cfg.reset != "reference":
         print("warning: --ref-reset-every/--ref-reset-on-stall with --kl-coef 0: there is no reference, so a "
               "reset only clears the optimizer state", file=sys.stderr, flush=True)
     return cfg
@@ -422,6 +425,9 @@ def config_problems(cfg: Config) -> list[str]:
         elif not cfg.device.startswith("cuda") or cfg.engine == "hf":
             out.append(f"--rollout-gpus {cfg.rollout_gpus}: GPUs of its own are for the vLLM engine on GPU "
                        f"(--engine vllm --device cuda)")
+    if cfg.reset == "reference" and cfg.kl_coef == 0 and (cfg.ref_reset_every or cfg.ref_reset_on_stall):
+        out.append("--reset reference with --kl-coef 0: there is no reference, so the resets would renew nothing; "
+                   "give --kl-coef > 0 or --reset optimizer")
     if cfg.ref_reset_on_stall and not (cfg.eval_data and cfg.eval_every):
         out.append(f"--ref-reset-on-stall {cfg.ref_reset_on_stall} counts held-out evaluations: give --eval-data and "
                    f"--eval-every > 0")

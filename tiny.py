@@ -16,7 +16,20 @@ slip, so sampling at temperature 1 gets about half the problems right; RL with t
 must teach it to stop slipping. This is the smallest honest stand-in for what RL does to a real model
 (sharpening what it can already do), and it makes a visible gain in minutes on a CPU.
 
+The second task, same problems and verifier (only the answer after ':' is checked), with many right responses:
+the terms may be added in any order, each step a term not yet added and the running sum from 0
+
+    prompt  "3+4+5="        responses "5=5,3=8,4=12:12<eos>", "3=3,4=7,5=12:12<eos>", ... (3! orders)
+
+so a k-term problem of distinct digits has k! right responses, and the entropy of the choice of the next term
+is not error: with one right response per problem (the first task) entropy is all error, and a mechanism
+meant to keep exploring while accuracy rises (DMMPTs) cannot be judged there. Its warm start, `tiny_any_ckpt/`,
+imitates a teacher that picks each next term at random and slips like the first one (`SLIP_ANY`); train on it
+with `python train.py --model tiny_any_ckpt`. `choice_entropy` measures how much of a model's entropy sits on
+the choice of the next term.
+
     python tiny.py                            # rebuild tiny_ckpt/ (deterministic on a given machine; ~15 min on 2 cores)
+    python tiny.py --order any                # rebuild tiny_any_ckpt/ (~10 min on 2 cores; held-out 49.6%)
     python tiny.py --steps 300 --out /tmp/t   # a quick, weaker one
 """
 import argparse
@@ -37,6 +50,8 @@ MIN_TERMS, MAX_TERMS, TAIL = 2, 12, 1.5  # P(k) ~ k^-TAIL for k in [MIN_TERMS, M
 SLIP = 0.2  # the warm-start teacher's chance of an off-by-one running sum
 HELD_OUT_SHARE = 8  # one problem in 8 is held out (held_out): training never draws it
 CKPT = "tiny_ckpt"  # the shipped warm start, relative to the repo root
+ANY_CKPT = "tiny_any_ckpt"  # the second task's (--order any)
+SLIP_ANY = 0.2  # its teacher's chance of an off-by-one running sum
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -118,10 +133,13 @@ def draw_prompt(rng: random.Random, terms: int | None, part: bool) -> str:
             return prompt
 
 
-def teacher_response(terms: list[int], rng: random.Random, slip: float = 0.0) -> str:
+def teacher_response(terms: list[int], rng: random.Random, slip: float = 0.0, order: str = "given") -> str:
     """Each next term and the running sum ("4=7"), then ':' and the final sum. Copying the term keeps every
     step local (add the number just written to the sum before it). With `slip` > 0 each sum may be off by
-    one, and the teacher carries on from what it wrote (so one slip makes the answer wrong)."""
+    one, and the teacher carries on from what it wrote (so one slip makes the answer wrong). order "any": the
+    terms in a random order, every one written, the sum from 0 ("5=5,3=8,4=12:12")."""
+    if order == "any":
+        terms, s = [0] + rng.sample(terms, len(terms)), 0
     steps, s = [], terms[0]
     for t in terms[1:]:
         s += t
@@ -129,6 +147,43 @@ def teacher_response(terms: list[int], rng: random.Random, slip: float = 0.0) ->
             s += rng.choice([-1, 1])
         steps.append(f"{t}={s}")
     return ",".join(steps) + ":" + str(s)
+
+
+def choice_entropy(model, tokenizer, prompts: list[str], samples: int = 8, seed: int = 0) -> dict:
+    """Where a model's entropy sits on the any-order task, over `samples` responses a prompt sampled at
+    temperature 1: the share of the summed token entropy at the positions that choose the next term (the
+    first token of each step), and the mean probability those positions give to terms not yet added (their
+    mass on right choices; the rest of it is error). Every other position has one right token."""
+    torch.manual_seed(seed)
+    ids = {c: tokenizer.convert_tokens_to_ids(c) for c in CHARS}
+    digit_ids = torch.tensor([ids[d] for d in "123456789"])
+    choice_ent = all_ent = right_mass = choices = tokens = 0.0
+    model.eval()
+    for prompt in prompts:
+        x = torch.tensor([tokenizer(prompt).input_ids] * samples)
+        with torch.no_grad():
+            out = model.generate(x, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=80,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            logp = torch.log_softmax(model(out).logits[:, x.shape[1] - 1:-1].float(), -1)
+        ent = -(logp.exp() * logp).sum(-1)  # [samples, new tokens]: the entropy of each sampled position
+        for row, e, lp in zip(out[:, x.shape[1]:].tolist(), ent, logp):
+            left, text = [int(t) for t in prompt[:-1].split("+")], ""
+            for i, tok in enumerate(row):
+                if tok == tokenizer.pad_token_id:
+                    break
+                all_ent, tokens = all_ent + e[i].item(), tokens + 1
+                if tok == tokenizer.eos_token_id:
+                    break
+                if (text == "" or text.endswith(",")) and left:  # a step begins: the choice of a term
+                    choice_ent += e[i].item()
+                    right_mass += lp[i, digit_ids[[d - 1 for d in sorted(set(left))]]].exp().sum().item()
+                    choices += 1
+                    chosen = tokenizer.convert_ids_to_tokens(tok)
+                    if chosen.isdigit() and int(chosen) in left:
+                        left.remove(int(chosen))
+                text += tokenizer.convert_ids_to_tokens(tok)
+    return {"choice_share": choice_ent / max(all_ent, 1e-12), "right_choice_mass": right_mass / max(choices, 1),
+            "entropy_mean": all_ent / max(tokens, 1), "choices": int(choices), "tokens": int(tokens)}
 
 
 def check_terms(terms: int) -> None:
@@ -155,8 +210,9 @@ def held_out_rows(n: int, seed: int = 0, terms: int | None = None) -> list[dict]
     return make_rows(n, seed=10_000 + seed, terms=terms, part=True)
 
 
-def pretrain(out: str, steps: int, batch: int, lr: float, seed: int) -> None:
-    """Supervised warm start on the sloppy teacher: next-token loss on response tokens only."""
+def pretrain(out: str, steps: int, batch: int, lr: float, seed: int, order: str = "given") -> None:
+    """Supervised warm start on the sloppy teacher (terms in the given order, or `order` "any"): next-token loss
+    on response tokens only."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = make_tokenizer()
@@ -170,7 +226,8 @@ def pretrain(out: str, steps: int, batch: int, lr: float, seed: int) -> None:
             for _ in range(8 * batch):
                 terms = draw_terms(rng)
                 prompt = tokenizer("+".join(map(str, terms)) + "=").input_ids
-                response = tokenizer(teacher_response(terms, rng, SLIP)).input_ids + [eos]
+                response = tokenizer(teacher_response(terms, rng, SLIP_ANY if order == "any" else SLIP,
+                                                      order)).input_ids + [eos]
                 pool.append((prompt + response, len(prompt)))
             pool.sort(key=lambda x: len(x[0]))
             queue = [pool[i:i + batch] for i in range(0, len(pool), batch)]
@@ -204,10 +261,14 @@ def pretrain(out: str, steps: int, batch: int, lr: float, seed: int) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=CKPT, help="where to write the checkpoint")
+    p.add_argument("--order", default="given", choices=["given", "any"],
+                   help="the task: terms added in the prompt's order (tiny_ckpt/), or in any order (tiny_any_ckpt/)")
+    p.add_argument("--out", default=None, help=f"where to write the checkpoint (default {CKPT}/, {ANY_CKPT}/ for "
+                                               f"--order any)")
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps of supervised training")
     p.add_argument("--batch", type=int, default=128, help="sequences per step")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     p.add_argument("--seed", type=int, default=0, help="seed for the model init and the data")
     args = p.parse_args()
-    pretrain(args.out, args.steps, args.batch, args.lr, args.seed)
+    pretrain(args.out or (ANY_CKPT if args.order == "any" else CKPT), args.steps, args.batch, args.lr, args.seed,
+             args.order)

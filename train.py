@@ -210,8 +210,8 @@ class Run:
     save: object = None  # save(name): the checkpoint `name` of everything, in `out`
     startup: dict = dataclasses.field(default_factory=dict)  # logged once, with the first record
 
-    def reset_reference(self) -> None:  # ProRL: reference <- policy, fresh AdamW moments
-        ulorl.reset_reference(self.lm, self.ref_lm, self.opt, self.ref)
+    def reset_reference(self) -> None:  # ProRL: reference <- policy, fresh AdamW moments (--reset: or one alone)
+        ulorl.reset_reference(self.lm, self.ref_lm, self.opt, self.ref, self.cfg.reset)
 
     def memory_peaks(self) -> dict:  # the memory/* metrics
         return placement.memory_peaks(self.cfg, self.host_before)

@@ -25,7 +25,8 @@ Where each part of the papers lives (every paper number is a flag default or a p
     token-level loss (DAPO) ............... optimize() below: one denominator over micro-batches and ranks; --agg
     dynamic sampling ...................... dynamic_sampling() below; --dynamic-sampling
     KL k3 to a reference, beta 1e-4 ....... loss.kl_k3; --kl-coef
-    reference + optimizer reset ........... reset_reference(), stalled() below; --ref-reset-every, --ref-reset-on-stall
+    reference + optimizer reset ........... reset_reference(), stalled() below; --ref-reset-every, --ref-reset-on-stall,
+                                            --reset (both; or the reference or the optimizer alone)
     constant learning rate (both papers) .. lr_factor() below; --lr-final 1 (the tiny default decays to 0.1)
     settings: n 16, T 1.2, 256 prompts, mini-batch 64 prompts, lr 2e-6 ... config.PRESETS["prorl"]
     rewards: math, code (systems/sandbox.py), Reasoning Gym (--data rg:NAME), instruction following ... registry.VERIFIERS
@@ -315,16 +316,17 @@ def stalled(state: RunState, accuracy: float, patience: int) -> bool:
     return False
 
 
-def reset_reference(policy_lm, ref_lm, opt, ref=None) -> None:
-    """ProRL's reset: the reference becomes the current policy and AdamW forgets its moments (without a
-    reference, --kl-coef 0, only the optimizer resets). `ref`: the reference as placement.wrap()ped; under FSDP2
-    its root keeps full (unsharded) parameters after a forward with no backward, so it is resharded first,
-    to match the policy's shards."""
-    if ref_lm is not None:
+def reset_reference(policy_lm, ref_lm, opt, ref=None, renew: str = "both") -> None:
+    """ProRL's reset: the reference becomes the current policy and AdamW forgets its moments; `renew` (--reset)
+    "reference" or "optimizer" does one alone (without a reference, --kl-coef 0, only the optimizer resets).
+    `ref`: the reference as placement.wrap()ped, resharded first (FSDP2 leaves its root unsharded after a forward
+    with no backward)."""
+    if ref_lm is not None and renew != "optimizer":
         if ref is not None:
             ref.reshard()
         with torch.no_grad():
             for (name, p), (ref_name, r) in zip(policy_lm.named_parameters(), ref_lm.named_parameters()):
                 assert name == ref_name, (name, ref_name)
                 r.copy_(p)
-    opt.state.clear()
+    if renew != "reference":
+        opt.state.clear()

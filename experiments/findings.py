@@ -14,6 +14,17 @@ and one JSON line with the numbers docs/findings.md quotes.
     python experiments/findings.py passk --models dmmpt/off   # pass@1..64 of the warm start and of finished
                                               # runs' last checkpoints (here the dmmpt finding's "off" runs)
 
+On the any-order task (tiny.py: many right responses, so that entropy and error come apart), each comparison's
+metric, steps and expected direction fixed in CLAIMS before it runs, 5 seeds:
+
+    python experiments/findings.py dmmpt-any --seeds 0,1,2,3,4 --jobs 2 --record
+    python experiments/findings.py check      # recompute every verdict row of docs/findings.md from the records
+
+One verdict rule for every claim (VERDICT_RULE below): "reproduced" only when the arms differ in the paper's
+direction and their bands, lowest to highest seed, over >= 5 seeds do not overlap. `--record` keeps each run's
+metrics (the keys KEPT, gzipped) under experiments/records/FINDING/, committed: `check` recomputes the table's rows
+from them alone and fails on any difference.
+
 Your own study: named variants, each a string of train.py flags, over seeds, with the same figure and table
 (runs in ROOT/NAME/VARIANT_sSEED; `--keys` picks the metrics drawn, one panel each):
 
@@ -27,7 +38,9 @@ The figure goes beside the runs (ROOT/FINDING/FINDING.png) unless `--figure` nam
 gives the commands that redraw its figures.
 """
 import argparse
+import dataclasses
 import glob
+import gzip
 import json
 import os
 import random
@@ -99,6 +112,133 @@ FINDINGS = {
     "prolonged": dict(steps=200, common=PRORL_COMMON, variants={
         f"{arm}_lr{lr}": [*flags, "--lr", lr] for lr in PROLONGED_LRS for arm, flags in PRORL_ARMS.items()}),
 }
+
+
+VERDICT_RULE = ("reproduced: the arms differ in the paper's direction and their bands (lowest to highest seed) over "
+                "at least 5 seeds do not overlap; in part: the direction matches, but the bands overlap or there are "
+                "fewer seeds; not reproduced: the direction is the reverse (3 seeds separate two equal arms about 1 "
+                "time in 10, 5 seeds about 1 in 125)")
+MIN_SEEDS = 5
+RECORDS = os.path.join(ROOT, "experiments", "records")  # FINDING/VARIANT_sSEED.jsonl.gz: the runs behind the table
+KEPT = ("step", "eval/accuracy", "reward/mean", "entropy/mean", "mpt/masked_frac", "entropy/cov", "entropy/cov_masked",
+        "response/mean_len", "staleness/token_mean", "clip/low_frac", "clip/high_frac", "loss/kl", "train/ref_reset")
+DOC = os.path.join(ROOT, "docs", "findings.md")
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A paper's claim as one comparison, fixed before the runs: the arm `higher` has the larger `metric`, averaged
+    over steps first..last of each run (a held-out metric: the evaluations in that window)."""
+    text: str
+    metric: str
+    first: int
+    last: int
+    higher: str
+    lower: str
+
+
+# The any-order task's DMMPT runs. The warm start's mean token entropy is ~SIGMA_ANY x 2 (tiny.choice_entropy), so
+# the paper's sigma (0.2) lies inside the task's range, as in UloRL's Fig. 4-5.
+SIGMA_ANY = 0.2
+FINDINGS["dmmpt-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY_CKPT, "--mpt-sigma", str(SIGMA_ANY)],
+                             variants={"off": ["--mpt", "off"], "static": ["--mpt", "static"],
+                                       "dynamic": ["--mpt", "dynamic"]})
+CLAIMS = {
+    "dmmpt-any": [
+        Claim("dynamic DMMPTs keep more entropy than none (UloRL Fig. 4)", "entropy/mean", STEPS - 19, STEPS,
+              "dynamic", "off"),
+        Claim("static DMMPTs raise the entropy above dynamic ones (UloRL Fig. 4)", "entropy/mean", STEPS - 19, STEPS,
+              "static", "dynamic"),
+        Claim("dynamic DMMPTs train to a higher accuracy than none (UloRL Fig. 5)", "eval/accuracy", STEPS, STEPS,
+              "dynamic", "off"),
+    ],
+}
+
+
+def claim_values(runs: dict, claim: Claim) -> dict[str, list[float]]:
+    """Each arm's value per seed: `claim.metric` averaged over its window."""
+    return {arm: [window_mean(rs, claim.metric, claim.first, claim.last) for rs in runs[arm]]
+            for arm in (claim.higher, claim.lower)}
+
+
+def verdict(higher: list[float], lower: list[float]) -> tuple[str, str]:
+    """VERDICT_RULE on the seeds' values of the arm the paper says is higher and of the other: (verdict, reason)."""
+    mean_h, mean_l = sum(higher) / len(higher), sum(lower) / len(lower)
+    seeds = min(len(higher), len(lower))
+    if mean_h <= mean_l:
+        return "not reproduced", "the reverse direction" if mean_h < mean_l else "no difference"
+    if min(higher) <= max(lower):
+        return "in part", "the direction matches; the bands overlap"
+    if seeds < MIN_SEEDS:
+        return "in part", f"the direction matches, bands apart, but {seeds} seeds (< {MIN_SEEDS})"
+    return "reproduced", f"bands apart over {seeds} seeds"
+
+
+def band(values: list[float]) -> str:
+    return f"{sum(values) / len(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
+def verdict_rows(name: str, runs: dict) -> list[str]:
+    """docs/findings.md's table rows of a finding's claims, from its runs: one a claim."""
+    rows = []
+    for claim in CLAIMS[name]:
+        values = claim_values(runs, claim)
+        word, why = verdict(values[claim.higher], values[claim.lower])
+        window = f"step {claim.last}" if claim.first == claim.last else f"steps {claim.first}-{claim.last}"
+        rows.append(f"| {name} | {claim.text} | {claim.metric}, {window}, {len(values[claim.higher])} seeds | "
+                    f"{claim.higher} {band(values[claim.higher])} vs {claim.lower} {band(values[claim.lower])} | "
+                    f"**{word}**: {why} |")
+    return rows
+
+
+def write_records(name: str, runs_dir: str, variants: list[str], seeds: list[int], records: str = RECORDS) -> None:
+    """Each run's metrics.jsonl, only the KEPT keys, gzipped into records/NAME/VARIANT_sSEED.jsonl.gz (a few KB)."""
+    os.makedirs(os.path.join(records, name), exist_ok=True)
+    for v in variants:
+        for seed in seeds:
+            rows = [{k: r[k] for k in KEPT if k in r} for r in plot.read_metrics(os.path.join(runs_dir, f"{v}_s{seed}"))]
+            with gzip.GzipFile(os.path.join(records, name, f"{v}_s{seed}.jsonl.gz"), "wb", mtime=0) as f:
+                f.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode())
+
+
+def read_records(name: str, records: str = RECORDS) -> dict[str, list[list[dict]]]:
+    """{variant: [each seed's records]} of a recorded finding, seeds in order."""
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(records, name, "*_s*.jsonl.gz")),
+                       key=lambda p: int(p.rpartition("_s")[2].split(".")[0])):
+        variant = os.path.basename(path).rpartition("_s")[0]
+        with gzip.open(path, "rt") as f:
+            runs.setdefault(variant, []).append([json.loads(line) for line in f if line.strip()])
+    return runs
+
+
+def check(records: str = RECORDS, doc: str = DOC) -> list[str]:
+    """What differs between docs/findings.md's verdict rows (and its count of reproduced claims) and those
+    recomputed from the records: every recorded finding's rows must stand in the doc exactly, and every verdict
+    row of the doc must come from records. Empty: they agree."""
+    text = open(doc).read()
+    in_doc = [line for line in text.splitlines() if line.startswith("| ") and line.split(" | ")[0][2:] in CLAIMS]
+    problems, computed = [], []
+    for name in CLAIMS:
+        runs = read_records(name, records)
+        if not runs:
+            continue
+        missing = ({c.higher for c in CLAIMS[name]} | {c.lower for c in CLAIMS[name]}) - set(runs)
+        if missing:
+            problems.append(f"{name}: no records of {sorted(missing)} in {records}")
+            continue
+        computed += verdict_rows(name, runs)
+    problems += [f"in the records, not in {doc}: {row}" for row in computed if row not in in_doc]
+    problems += [f"in {doc}, not from the records: {row}" for row in in_doc if row not in computed]
+    count = count_line(computed)
+    if computed and count not in text:
+        problems.append(f"{doc} does not say: {count}")
+    return problems
+
+
+def count_line(rows: list[str]) -> str:
+    reproduced = sum("| **reproduced**" in row for row in rows)
+    return f"By the rule, {reproduced} of the {len(rows)} claims tested on the any-order task are reproduced."
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -226,11 +366,12 @@ def print_table(numbers: dict, keys: list[str]) -> None:
 
 def finding_dmmpt(runs: dict, steps: int, figure: str) -> dict:
     numbers = common_numbers(runs, steps)
+    sigma = next(iter(runs.values()))[0][0].get("config", {}).get("mpt_sigma", SIGMA)  # the runs' own
     print_table(numbers, ["eval_first", "eval_last", "entropy_first10", "entropy_last20", "masked_frac", "cov",
                           "cov_masked"])
     plot.panel_figure([
         {"title": "mean token entropy (trailing mean of 5 steps)", "xlabel": "step", "lines": curves(runs, "entropy/mean", 5),
-         "hlines": {f"sigma {SIGMA}": SIGMA}},
+         "hlines": {f"sigma {sigma}": sigma}},
         {"title": eval_title(runs), "xlabel": "step", "lines": curves(runs, "eval/accuracy"),
          "style": "o-"},
         {"title": "tokens masked by DMMPTs (trailing mean of 5)", "xlabel": "step", "lines": curves(runs, "mpt/masked_frac", 5)},
@@ -588,8 +729,13 @@ def finding_variants(runs: dict, steps: int, figure: str, keys: list[str], name:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("finding", choices=[*FINDINGS, "passk", "variants"],
-                   help="which finding to reproduce; variants: your own --variant runs")
+    p.add_argument("finding", choices=[*FINDINGS, "passk", "variants", "check"],
+                   help="which finding to reproduce; variants: your own --variant runs; check: docs/findings.md's "
+                        "verdict rows against the committed records")
+    p.add_argument("--record", action="store_true",
+                   help="keep the runs' metrics under experiments/records/FINDING/ (committed: what check reads)")
+    p.add_argument("--records", default=RECORDS, help="check: the records' folder")
+    p.add_argument("--doc", default=DOC, help="check: the document whose verdict rows it checks")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="variants: one variant, its train.py flags as one string (repeat the option)")
     p.add_argument("--name", default="variants", help="variants: the study's folder under --root and its title")
@@ -606,6 +752,14 @@ def main(argv=None) -> dict:
     p.add_argument("--passk-samples", type=int, default=64, help="boundary, passk: samples per problem for pass@k")
     p.add_argument("--passk-problems", type=int, default=256, help="boundary, passk: held-out problems for pass@k")
     args, extra = p.parse_known_args(argv)
+    if args.finding == "check":
+        if extra:
+            p.error(f"check trains nothing: unknown arguments {' '.join(extra)}")
+        problems = check(args.records, args.doc)
+        print("\n".join(problems) if problems else f"{args.doc}: every verdict row agrees with {args.records}")
+        if problems:
+            raise SystemExit(1)
+        return {"finding": "check", "problems": []}
     seeds = [int(s) for s in args.seeds.split(",")]
     root = os.path.abspath(args.root)
     name = args.name if args.finding == "variants" else args.finding
@@ -636,7 +790,7 @@ def main(argv=None) -> dict:
     print(f"{name}: variants {list(spec['variants'])} x seeds {seeds} into {root}/{name}", flush=True)
     runs = run_all(name, spec, seeds, root, extra, args.jobs)
     steps = max(r["step"] for r in runs[next(iter(runs))][0])
-    drawn_from_runs = {"dmmpt": finding_dmmpt, "is": finding_is, "staleness": finding_staleness,
+    drawn_from_runs = {"dmmpt": finding_dmmpt, "dmmpt-any": finding_dmmpt, "is": finding_is, "staleness": finding_staleness,
                        "mastered": finding_mastered, "sigma": finding_sigma, "prolonged": finding_prolonged}
     if args.finding in drawn_from_runs:
         numbers = drawn_from_runs[args.finding](runs, steps, figure)
@@ -646,6 +800,13 @@ def main(argv=None) -> dict:
         numbers = finding_boundary(runs, steps, figure, root, seeds, args.passk_samples, args.passk_problems)
     else:
         numbers = finding_variants(runs, steps, figure, [k for k in args.keys.split(",") if k], name)
+    if name in CLAIMS:
+        print("\n" + "\n".join(verdict_rows(name, runs)))
+        if args.record:
+            write_records(name, os.path.join(root, name), list(spec["variants"]), seeds)
+            print(f"records: {os.path.join(RECORDS, name)}")
+    elif args.record:
+        p.error(f"--record: {name} has no CLAIMS to check its records against")
     wall = time.time() - t0
     print(f"\nfigure: {figure}\nwall time of this command: {wall:.0f}s (runs already done are not redone)")
     result = {"finding": args.finding, "name": name, "steps": steps, "seeds": seeds, "variants": spec["variants"],

@@ -77,6 +77,26 @@ def test_the_gap_counts_only_the_tokens_the_current_weights_sampled():
     assert n == 10 and off == pytest.approx(math.exp(0.5) - 1.5)
 
 
+def test_the_gap_history_runs_through_the_steps_and_a_resume(tmp_path):
+    """The jump test compares a step's engine/trainer KL with the run's earlier steps': the run state holds every
+    step's rollout/engine_kl (saved with each checkpoint), and a run resumed from step 1 goes on from step 1's."""
+    import harness
+    args = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--train-groups", "1",
+            "--max-response-len", "16", "--segments", "2", "--eval-data", "", "--dump-samples", "0",
+            "--save-every", "1", "--keep-last", "0"]
+
+    def saved(out, step):
+        with open(tmp_path / out / f"step_{step:06d}" / "ulorl_state.json") as f:
+            return json.load(f)["engine_kl"]
+
+    harness.train_run(args, tmp_path / "a")
+    logged = [r["rollout/engine_kl"] for r in harness.records(tmp_path / "a") if "rollout/engine_kl" in r]
+    assert len(logged) == 2 and None not in logged
+    assert saved("a", 1) == logged[:1] and saved("a", 2) == logged
+    harness.train_run([*args, "--resume", str(tmp_path / "a" / "step_000001")], tmp_path / "b")
+    assert saved("b", 2) == logged
+
+
 def test_the_two_largest_tokens_are_left_out_only_past_twice_their_number():
     """trimmed_kl leaves out the GAP_OUTLIERS (2) largest k3 values of a step only when it compared more than 4
     tokens: at 4 every token counts, at 5 the mean is of the 3 others."""

@@ -209,3 +209,62 @@ def test_variants_are_name_equals_flags():
             parse([bad])
     with pytest.raises(SystemExit, match="the name 'x' is given twice"):
         parse(["x=", "x=--mpt off"])
+
+
+def test_the_verdict_rule_on_both_sides_of_each_threshold():
+    """Reproduced only with the paper's direction, bands apart and 5 seeds; one seed fewer, or bands touching, is
+    'in part'; the reverse is 'not reproduced'."""
+    verdict = findings().verdict
+    high, low = [0.50, 0.52, 0.55, 0.53, 0.51], [0.40, 0.42, 0.45, 0.43, 0.41]
+    assert verdict(high, low)[0] == "reproduced"
+    assert verdict(high[:4], low[:4]) == ("in part", "the direction matches, bands apart, but 4 seeds (< 5)")
+    assert verdict(high, [*low[:4], 0.50])[0] == "in part"  # the lower arm's best seed reaches the higher's worst
+    assert verdict(high, [*low[:4], 0.499])[0] == "reproduced"
+    assert verdict(low, high) == ("not reproduced", "the reverse direction")
+    assert verdict(high, high)[0] == "not reproduced"
+
+
+def recorded(tmp_path, module, shift: float = 0.0):
+    """Records of dmmpt-any's three arms over 5 seeds (entropy and accuracy made up, dynamic above off), written
+    as --record writes them, and a findings document that holds their verdict rows and count."""
+    runs = {arm: [[{"step": step, "entropy/mean": base + 0.01 * seed + (shift if step == 150 else 0.0),
+                    "eval/accuracy": base + 0.02 * seed} for step in range(131, 151)] for seed in range(5)]
+            for arm, base in (("off", 0.10), ("static", 0.40), ("dynamic", 0.25))}
+    for arm, seeds in runs.items():
+        for seed, rows in enumerate(seeds):
+            (tmp_path / "runs" / f"{arm}_s{seed}").mkdir(parents=True)
+            (tmp_path / "runs" / f"{arm}_s{seed}" / "metrics.jsonl").write_text(
+                "".join(json.dumps({**r, "unkept/key": 1}) + "\n" for r in rows))
+    module.write_records("dmmpt-any", str(tmp_path / "runs"), list(runs), list(range(5)), str(tmp_path / "records"))
+    rows = module.verdict_rows("dmmpt-any", runs)
+    (tmp_path / "findings.md").write_text("| finding | claim |\n|---|---|\n" + "\n".join(rows) + "\n\n"
+                                          + module.count_line(rows) + "\n")
+    return rows
+
+
+def test_check_recomputes_the_verdict_rows_from_the_records_and_fails_on_any_difference(tmp_path):
+    """findings.py check on a document and the records behind it passes; a record changed afterwards (one seed's
+    last step), a row the records do not give, or a wrong count fails it, naming what differs."""
+    module = findings()
+    rows = recorded(tmp_path, module)
+    assert len(rows) == 3 and all("**reproduced**" in row for row in rows)
+    records, doc = str(tmp_path / "records"), str(tmp_path / "findings.md")
+    assert module.check(records, doc) == []
+    with open(tmp_path / "records" / "dmmpt-any" / "off_s0.jsonl.gz", "rb") as f:
+        assert b"unkept" not in __import__("gzip").decompress(f.read())  # only the kept keys
+    text = (tmp_path / "findings.md").read_text()
+    (tmp_path / "findings.md").write_text(text.replace(rows[0], rows[0].replace(" 0.2", " 0.3", 1)))
+    problems = module.check(records, doc)
+    assert any("not from the records" in p for p in problems) and any("not in" in p for p in problems)
+    (tmp_path / "findings.md").write_text(text.replace("3 claims", "4 claims"))
+    assert module.check(records, doc) == [f"{doc} does not say: {module.count_line(rows)}"]
+    (tmp_path / "findings.md").write_text(text)
+    recorded(tmp_path / "again", module, shift=0.5)  # one step of every run moved: other means
+    problems = module.check(str(tmp_path / "again" / "records"), doc)
+    assert problems and any("in the records, not in" in p for p in problems)
+
+
+def test_the_committed_findings_agree_with_their_records():
+    """What CI checks: `python experiments/findings.py check` on docs/findings.md and experiments/records/."""
+    done = run([sys.executable, "experiments/findings.py", "check"], cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

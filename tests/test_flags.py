@@ -82,6 +82,8 @@ PROBES = {
     "kl_coef": [("0.1", "update", "update", UPDATE)],
     "ref_reset_every": [("1", "run", "resets", RUN)],
     "ref_reset_on_stall": [("1", "run", "resets", STALLING)],
+    "reset": [("reference", "reset", "reset", [*UPDATE, "--kl-coef", "0.1"]),
+              ("optimizer", "reset", "reset", [*UPDATE, "--kl-coef", "0.1"])],
     "train_groups": [("2", "rollout", "batch", RUN), ("8", "setup", "schedule", SCHEDULE_MB)],
     "mini_batch": [("8", "update", "update", UPDATE), ("32", "setup", "schedule", SCHEDULE)],
     "lr": [("1e-3", "update", "weights", UPDATE)],
@@ -271,6 +273,16 @@ def update(args, out, groups) -> dict:
         return {"update": metrics, "weights": moved.tolist(), "layout": layout}
 
 
+def reset(args, out, groups) -> dict:
+    """ProRL's reset after the update of the stale batch: whether the reference took the policy's weights, and
+    whether AdamW kept any moments."""
+    with harness.setup(args, out) as run:
+        ulorl.update(run.policy, run.ref, run.opt, run.sched, groups, 2, run.tokenizer.pad_token_id, run.cfg, run.ranks)
+        run.reset_reference()
+        took = all(torch.equal(p, r) for p, r in zip(run.lm.parameters(), run.ref_lm.parameters()))
+        return {"reset": {"reference took the policy": took, "optimizer moments": len(run.opt.state)}}
+
+
 def held_out(args, out, groups) -> dict:
     """The held-out evaluation alone, and what it asks of the engine and the reward workers."""
     calls, asked = [], []
@@ -352,8 +364,8 @@ def bad(args, out, groups) -> dict:
     return {"bad": None}
 
 
-HARNESSES = {"config": configured, "setup": set_up, "update": update, "held_out": held_out, "rollout": rollout,
-             "run": whole_run, "resume": resumed, "overwrite": twice, "start": started, "engine": engine, "gap": gap,
+HARNESSES = {"config": configured, "setup": set_up, "update": update, "reset": reset, "held_out": held_out,
+             "rollout": rollout, "run": whole_run, "resume": resumed, "overwrite": twice, "start": started, "engine": engine, "gap": gap,
              "bad": bad}
 
 

@@ -242,3 +242,13 @@ def test_tois_trains_only_tokens_of_the_weights_being_updated(tmp_path):
     recs = records(tmp_path / "metrics.jsonl")
     assert all(r["staleness/token_max"] == 0 and r["staleness/token_mean"] == 0 for r in recs), recs
     assert sum(r["rollout/dropped_surplus_groups"] for r in recs) > 0  # there was a surplus to drop
+
+
+def test_a_reset_of_the_reference_alone_needs_a_reference(capsys):
+    """--reset reference with --kl-coef 0 would renew nothing at each reset: refused, naming both flags; the
+    optimizer alone, or a reference to renew, is accepted."""
+    with pytest.raises(SystemExit):
+        config.parse_config(["--ref-reset-every", "5", "--reset", "reference"])
+    assert "--reset reference with --kl-coef 0" in capsys.readouterr().err
+    config.parse_config(["--ref-reset-every", "5", "--reset", "optimizer"])
+    config.parse_config(["--ref-reset-every", "5", "--reset", "reference", "--kl-coef", "0.01"])

@@ -379,6 +379,26 @@ def test_stall_trigger_on_a_scripted_eval_history():
     assert not any(ulorl.stalled(never, a, 0) for a in history)  # patience 0: never
 
 
+@pytest.mark.parametrize("renew", ["both", "reference", "optimizer"])
+def test_reset_renews_what_reset_names(tok, lm, renew):
+    """--reset: the reference takes the policy's weights under both and reference, and only then; AdamW forgets its
+    moments under both and optimizer, and only then; the policy keeps its weights every time."""
+    policy = copy.deepcopy(lm).train()
+    ref = copy.deepcopy(lm).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    x = torch.tensor([ids(tok, "3+4=7") + [tok.eos_token_id]])
+    policy(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    trained, reference = copy.deepcopy(policy.state_dict()), copy.deepcopy(ref.state_dict())
+    assert any(not torch.equal(trained[k], reference[k]) for k in trained) and opt.state
+    ulorl.reset_reference(policy, ref, opt, renew=renew)
+    assert all(torch.equal(trained[k], v) for k, v in policy.state_dict().items())
+    took = all(torch.equal(trained[k], v) for k, v in ref.state_dict().items())
+    kept = all(torch.equal(reference[k], v) for k, v in ref.state_dict().items())
+    assert (took, kept) == ((True, False) if renew != "optimizer" else (False, True))
+    assert (len(opt.state) == 0) == (renew != "reference")
+
+
 def test_reset_without_a_reference_clears_only_the_optimizer(tok, lm):
     policy = copy.deepcopy(lm).train()
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
