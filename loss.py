@@ -10,6 +10,8 @@ log-probs are.
 import torch
 from torch.utils.checkpoint import checkpoint
 
+import registry
+
 LM_HEAD_CHUNK = 512  # positions per lm_head chunk: [512, 151936] fp32 logits are 0.3 GB (python -m bench memory)
 
 
@@ -179,6 +181,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             "ratio/max": Max(ratio[pg_mask].max().item() if pg_mask.any() else 1.0),
         }
     return loss, metrics
+
+
+def policy_loss_named(name: str):
+    """The loss --policy-loss `name` names (registry.POLICY_LOSSES): policy_loss, or a variant with its arguments."""
+    return registry.function(registry.POLICY_LOSSES[name])
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token",

@@ -54,8 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 import model as model_lib
-import registry
-from loss import Covariance, Max, Mean, Sum, group_advantages, mpt_mask, old_logprobs
+from loss import Covariance, Max, Mean, Sum, group_advantages, mpt_mask, old_logprobs, policy_loss_named
 from model import MicroBatch
 
 
@@ -210,7 +209,7 @@ def micro_batch_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tens
                      cfg) -> tuple[torch.Tensor, dict]:
     """Step 6 on one micro-batch: the loss --policy-loss names (clipped: UloRL Eq. 10) over the step's count
     `denom`. A metric it returns (loss.Mean, Sum or Max) lands in metrics.jsonl as its value over the step."""
-    loss, metrics = registry.function(registry.POLICY_LOSSES[cfg.policy_loss])(
+    loss, metrics = policy_loss_named(cfg.policy_loss)(
         logprobs=logprobs, old_logprobs=mb.old_logprobs, advantages=mb.adv, mask=mb.loss_mask, pg_mask=mb.pg_mask,
         eps_low=cfg.eps_low, eps_high=cfg.eps_high, clip_ratio_c=cfg.clip_ratio_c, ref_logprobs=mb.ref_logprobs,
         kl_coef=cfg.kl_coef, agg=cfg.agg, denom=denom, tis_cap=cfg.tis_cap or None, behaviour_logprobs=mb.behaviour)

@@ -136,13 +136,13 @@ def test_the_step_s_files_reach_no_systems_module_and_ask_no_feature(one_step):
 
 
 def test_the_algorithm_s_file_names_nothing_of_the_systems():
-    """ulorl.py imports the loss, the model, the registry and the standard library or torch, nothing else; no function of it
+    """ulorl.py imports the loss, the model and the standard library or torch, nothing else; no function of it
     reaches the ranks, sequence parallelism, routing replay or the engine other than through what it is handed."""
     path = os.path.join(ROOT, "ulorl.py")
     imported = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
                 for n in ast.walk(ast.parse(open(path).read())) if isinstance(n, (ast.Import, ast.ImportFrom))
                 for a in n.names}
-    assert imported - sys.stdlib_module_names - {"torch"} == {"loss", "model", "registry"}
+    assert imported - sys.stdlib_module_names - {"torch"} == {"loss", "model"}
     assert systems_names(path) == set()
     # the check itself sees an import and a call
     with open(path) as f:
