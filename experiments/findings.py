@@ -17,7 +17,8 @@ and one JSON line with the numbers docs/findings.md quotes.
 On the any-order task (tiny.py: many right responses, so that entropy and error come apart), each comparison's
 metric, steps and expected direction fixed in CLAIMS before it runs, 5 seeds:
 
-    python experiments/findings.py dmmpt-any --seeds 0,1,2,3,4 --jobs 2 --record
+    python experiments/findings.py dmmpt-any --seeds 0,1,2,3,4 --jobs 2 --record   # DMMPTs off / static / dynamic
+    python experiments/findings.py sigma-any --seeds 0,1,2,3,4 --jobs 2 --record   # dynamic at sigma 0.1 / 0.3
     python experiments/findings.py check      # recompute every verdict row of docs/findings.md from the records
 
 One verdict rule for every claim (VERDICT_RULE below): "reproduced" only when the arms differ in the paper's
@@ -143,7 +144,16 @@ SIGMA_ANY = 0.2
 FINDINGS["dmmpt-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY_CKPT, "--mpt-sigma", str(SIGMA_ANY)],
                              variants={"off": ["--mpt", "off"], "static": ["--mpt", "static"],
                                        "dynamic": ["--mpt", "dynamic"]})
+# dynamic DMMPTs at sigma below and above the paper's 0.2 (the dmmpt-any runs' own), on either side of where the
+# warm start's entropy begins (~0.27)
+SIGMA_ANY_DOSES = ("0.1", "0.3")
+FINDINGS["sigma-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY_CKPT, "--mpt", "dynamic"],
+                             variants={f"dynamic_sigma{s}": ["--mpt-sigma", s] for s in SIGMA_ANY_DOSES})
 CLAIMS = {
+    "sigma-any": [
+        Claim("dynamic DMMPTs hold a higher entropy at a higher sigma (UloRL Fig. 4: it settles near sigma)",
+              "entropy/mean", STEPS - 19, STEPS, "dynamic_sigma0.3", "dynamic_sigma0.1"),
+    ],
     "dmmpt-any": [
         Claim("dynamic DMMPTs keep more entropy than none (UloRL Fig. 4)", "entropy/mean", STEPS - 19, STEPS,
               "dynamic", "off"),
@@ -435,6 +445,7 @@ def finding_sigma(runs: dict, steps: int, figure: str) -> dict:
     """Dynamic DMMPTs against sigma: where each run's entropy settles (the mean of its last 20 steps) against
     its sigma, beside no masking and static masking, with the tokens masked and the covariance they carry."""
     numbers = common_numbers(runs, steps)
+    cfg = next(iter(runs.values()))[0][0].get("config", {})  # the runs' own
     late = max(1, steps - 19)
     sigmas = {v: float(v.rpartition("sigma")[2]) for v in runs if v.startswith("dynamic_sigma")}
     for v, seeds in runs.items():
@@ -463,7 +474,8 @@ def finding_sigma(runs: dict, steps: int, figure: str) -> dict:
          "styles": {"off": "--", "static": "--", "entropy = sigma": ":"}},
         {"title": "tokens masked (trailing mean of 5)", "xlabel": "step", "lines": curves(runs, "mpt/masked_frac", 5)},
         {"title": eval_title(runs), "xlabel": "step", "lines": curves(runs, "eval/accuracy"), "style": "o-"},
-    ], figure, "dynamic DMMPTs against sigma (tiny:8, tau 0.9): mean over seeds, band = lowest to highest seed")
+    ], figure, f"dynamic DMMPTs against sigma ({cfg.get('model')}, --data {cfg.get('data')}, tau {cfg.get('mpt_tau')}): "
+               f"mean over seeds, band = lowest to highest seed")
     return numbers
 
 
@@ -790,7 +802,7 @@ def main(argv=None) -> dict:
     print(f"{name}: variants {list(spec['variants'])} x seeds {seeds} into {root}/{name}", flush=True)
     runs = run_all(name, spec, seeds, root, extra, args.jobs)
     steps = max(r["step"] for r in runs[next(iter(runs))][0])
-    drawn_from_runs = {"dmmpt": finding_dmmpt, "dmmpt-any": finding_dmmpt, "is": finding_is, "staleness": finding_staleness,
+    drawn_from_runs = {"dmmpt": finding_dmmpt, "dmmpt-any": finding_dmmpt, "sigma-any": finding_sigma, "is": finding_is, "staleness": finding_staleness,
                        "mastered": finding_mastered, "sigma": finding_sigma, "prolonged": finding_prolonged}
     if args.finding in drawn_from_runs:
         numbers = drawn_from_runs[args.finding](runs, steps, figure)
