@@ -133,6 +133,9 @@ class Config:
                       choices=["both", "reference", "optimizer"])
     train_groups: int = flag(16, "train once this many informative complete groups are ready",
                              ok=at_least(1), group="batch and optimizer")
+    surplus: str = flag("wait", "informative complete groups past --train-groups: wait for the next step (their "
+                                "tokens one version older then), or drop (a trained token is then stale only for the "
+                                "segments after its own; --is-mode tois always drops)", choices=["wait", "drop"])
     mini_batch: int = flag(0, "samples per optimizer step; 0 = the whole batch, one update per step "
                               "(UloRL 1024 = 128 x 8; ProRL 64 prompts x 16)",
                            ok=at_least(0))

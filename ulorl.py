@@ -84,10 +84,10 @@ def dynamic_sampling(groups: list[list], enabled: bool) -> tuple[list[list], int
 
 def take_groups(state: RunState, cfg) -> tuple[list[list], int | None]:
     """The step's --train-groups groups, first ready first trained; the rest wait for the next step, except under
-    TOIS, where every trained token must come from the weights being updated: they are dropped. Returns (groups,
-    how many were dropped: None when none can be)."""
+    TOIS, where every trained token must come from the weights being updated, and --surplus drop: they are
+    dropped. Returns (groups, how many were dropped: None when none can be)."""
     groups, state.ready = state.ready[:cfg.train_groups], state.ready[cfg.train_groups:]
-    if cfg.is_mode != "tois":
+    if cfg.is_mode != "tois" and cfg.surplus == "wait":
         return groups, None
     dropped, state.ready = len(state.ready), []
     return groups, dropped

@@ -19,6 +19,7 @@ metric, steps and expected direction fixed in CLAIMS before it runs, 5 seeds:
 
     python experiments/findings.py dmmpt-any --seeds 0,1,2,3,4 --jobs 2 --record   # DMMPTs off / static / dynamic
     python experiments/findings.py sigma-any --seeds 0,1,2,3,4 --jobs 2 --record   # dynamic at sigma 0.1 / 0.3
+    python experiments/findings.py is-any --seeds 0,1,2,3,4 --jobs 2 --record      # TOIS / SAIS / POIS, stale by segments
     python experiments/findings.py check      # recompute every verdict row of docs/findings.md from the records
 
 One verdict rule for every claim (VERDICT_RULE below): "reproduced" only when the arms differ in the paper's
@@ -122,7 +123,7 @@ VERDICT_RULE = ("reproduced: the arms differ in the paper's direction and their 
 MIN_SEEDS = 5
 RECORDS = os.path.join(ROOT, "experiments", "records")  # FINDING/VARIANT_sSEED.jsonl.gz: the runs behind the table
 KEPT = ("step", "eval/accuracy", "reward/mean", "entropy/mean", "mpt/masked_frac", "entropy/cov", "entropy/cov_masked",
-        "response/mean_len", "staleness/token_mean", "clip/low_frac", "clip/high_frac", "loss/kl", "train/ref_reset")
+        "response/mean_len", "staleness/token_mean", "staleness/last_segment_mean", "clip/low_frac", "clip/high_frac", "loss/kl", "train/ref_reset")
 DOC = os.path.join(ROOT, "docs", "findings.md")
 
 
@@ -149,10 +150,22 @@ FINDINGS["dmmpt-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY
 SIGMA_ANY_DOSES = ("0.1", "0.3")
 FINDINGS["sigma-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY_CKPT, "--mpt", "dynamic"],
                              variants={f"dynamic_sigma{s}": ["--mpt-sigma", s] for s in SIGMA_ANY_DOSES})
+# TOIS / SAIS / POIS where the trained tokens are stale only because of segments: 8 segments of 8 tokens, and the
+# groups past --train-groups dropped rather than kept for the next step (--surplus drop), so that no finished group
+# waits a version; TOIS decodes whole responses in one segment, as UloRL's baseline
+FINDINGS["is-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY_CKPT, "--surplus", "drop"], variants={
+    "tois-1seg": ["--is-mode", "tois", "--segments", "1"], "sais-8seg": ["--is-mode", "sais", "--segments", "8"],
+    "pois-8seg": ["--is-mode", "pois", "--segments", "8"]})
 CLAIMS = {
     "sigma-any": [
         Claim("dynamic DMMPTs hold a higher entropy at a higher sigma (UloRL Fig. 4: it settles near sigma)",
               "entropy/mean", STEPS - 19, STEPS, "dynamic_sigma0.3", "dynamic_sigma0.1"),
+    ],
+    "is-any": [
+        Claim("POIS trains to a higher accuracy than SAIS (UloRL Fig. 2)", "eval/accuracy", STEPS - 50, STEPS,
+              "pois-8seg", "sais-8seg"),
+        Claim("TOIS trains to a higher accuracy than SAIS (UloRL Fig. 2)", "eval/accuracy", STEPS - 50, STEPS,
+              "tois-1seg", "sais-8seg"),
     ],
     "dmmpt-any": [
         Claim("dynamic DMMPTs keep more entropy than none (UloRL Fig. 4)", "entropy/mean", STEPS - 19, STEPS,
@@ -481,7 +494,11 @@ def finding_sigma(runs: dict, steps: int, figure: str) -> dict:
 
 def finding_is(runs: dict, steps: int, figure: str) -> dict:
     numbers = common_numbers(runs, steps)
-    print_table(numbers, ["eval_first", "eval_last", "entropy_first10", "entropy_last20", "clip_frac"])
+    for v, seeds in runs.items():  # versions behind: every trained token, and each sample's last segment (a wait)
+        numbers[v]["staleness"] = spread([window_mean(rs, "staleness/token_mean", 1, steps) for rs in seeds])
+        numbers[v]["staleness_last"] = spread([window_mean(rs, "staleness/last_segment_mean", 1, steps) for rs in seeds])
+    print_table(numbers, ["eval_first", "eval_last", "entropy_first10", "entropy_last20", "clip_frac", "staleness",
+                          "staleness_last"])
     clip = {}
     for v, seeds in runs.items():  # low + high + dual clip fractions of each step
         summed = [[{"step": r["step"], "clip": sum(r.get(k) or 0 for k in ("clip/low_frac", "clip/high_frac", "clip/dual_frac"))}
@@ -802,7 +819,8 @@ def main(argv=None) -> dict:
     print(f"{name}: variants {list(spec['variants'])} x seeds {seeds} into {root}/{name}", flush=True)
     runs = run_all(name, spec, seeds, root, extra, args.jobs)
     steps = max(r["step"] for r in runs[next(iter(runs))][0])
-    drawn_from_runs = {"dmmpt": finding_dmmpt, "dmmpt-any": finding_dmmpt, "sigma-any": finding_sigma, "is": finding_is, "staleness": finding_staleness,
+    drawn_from_runs = {"dmmpt": finding_dmmpt, "dmmpt-any": finding_dmmpt, "sigma-any": finding_sigma, "is": finding_is,
+                       "is-any": finding_is, "staleness": finding_staleness,
                        "mastered": finding_mastered, "sigma": finding_sigma, "prolonged": finding_prolonged}
     if args.finding in drawn_from_runs:
         numbers = drawn_from_runs[args.finding](runs, steps, figure)

@@ -84,6 +84,7 @@ PROBES = {
     "ref_reset_on_stall": [("1", "run", "resets", STALLING)],
     "reset": [("reference", "reset", "reset", [*UPDATE, "--kl-coef", "0.1"]),
               ("optimizer", "reset", "reset", [*UPDATE, "--kl-coef", "0.1"])],
+    "surplus": [("drop", "rollout", "batch", RUN)],
     "train_groups": [("2", "rollout", "batch", RUN), ("8", "setup", "schedule", SCHEDULE_MB)],
     "mini_batch": [("8", "update", "update", UPDATE), ("32", "setup", "schedule", SCHEDULE)],
     "lr": [("1e-3", "update", "weights", UPDATE)],

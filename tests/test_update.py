@@ -440,12 +440,14 @@ def test_dynamic_sampling_drops_exactly_the_groups_whose_rewards_are_all_equal()
     assert ulorl.dynamic_sampling(groups, enabled=False) == (groups, 0)
 
 
-@pytest.mark.parametrize("is_mode, left, dropped", [("pois", 2, None), ("sais", 2, None), ("tois", 0, 2)])
-def test_take_groups_keeps_the_surplus_except_under_tois(is_mode, left, dropped):
+@pytest.mark.parametrize("is_mode, surplus, left, dropped", [
+    ("pois", "wait", 2, None), ("sais", "wait", 2, None), ("tois", "wait", 0, 2),
+    ("pois", "drop", 0, 2), ("sais", "drop", 0, 2), ("tois", "drop", 0, 2)])
+def test_take_groups_keeps_the_surplus_except_under_tois_or_drop(is_mode, surplus, left, dropped):
     """The first --train-groups ready groups train; the rest wait for the next step, except under TOIS, whose
-    tokens must all come from the weights being updated: its surplus is dropped."""
+    tokens must all come from the weights being updated, and --surplus drop: the surplus is dropped."""
     state = ulorl.RunState(ready=["g0", "g1", "g2", "g3"])
-    groups, n = ulorl.take_groups(state, SimpleNamespace(train_groups=2, is_mode=is_mode))
+    groups, n = ulorl.take_groups(state, SimpleNamespace(train_groups=2, is_mode=is_mode, surplus=surplus))
     assert groups == ["g0", "g1"] and n == dropped and state.ready == ["g2", "g3"][:left]
 
 
