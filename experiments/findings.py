@@ -20,6 +20,8 @@ metric, steps and expected direction fixed in CLAIMS before it runs, 5 seeds:
     python experiments/findings.py dmmpt-any --seeds 0,1,2,3,4 --jobs 2 --record   # DMMPTs off / static / dynamic
     python experiments/findings.py sigma-any --seeds 0,1,2,3,4 --jobs 2 --record   # dynamic at sigma 0.1 / 0.3
     python experiments/findings.py is-any --seeds 0,1,2,3,4 --jobs 2 --record      # TOIS / SAIS / POIS, stale by segments
+    python experiments/findings.py resets-any --seeds 0,1,2,3,4 --jobs 2 --record  # KL, resets of each kind, 300 steps
+    python experiments/findings.py prorl-any --seeds 0,1,2,3,4 --jobs 2 --record   # ProRL's settings, clip-higher
     python experiments/findings.py check      # recompute every verdict row of docs/findings.md from the records
 
 One verdict rule for every claim (VERDICT_RULE below): "reproduced" only when the arms differ in the paper's
@@ -156,6 +158,22 @@ FINDINGS["sigma-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY
 FINDINGS["is-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY_CKPT, "--surplus", "drop"], variants={
     "tois-1seg": ["--is-mode", "tois", "--segments", "1"], "sais-8seg": ["--is-mode", "sais", "--segments", "8"],
     "pois-8seg": ["--is-mode", "pois", "--segments", "8"]})
+# ProRL's KL and resets in prolonged training on the any-order task: a strong KL anchors the policy to its
+# reference, and resetting the reference releases it (ProRL Sec. 3: resets let training go on improving). The resets
+# separated: both (ProRL), the reference alone, AdamW's moments alone, and both on a stall of the held-out accuracy
+# (2 evaluations without a new best) instead of a schedule; no KL as the baseline
+PROLONGED_ANY_STEPS, BETA_ANY, RESET_EVERY_ANY = 300, 0.1, 50
+KL_ANY = ["--kl-coef", str(BETA_ANY)]
+FINDINGS["resets-any"] = dict(steps=PROLONGED_ANY_STEPS, common=[*PRORL_COMMON, "--model", tiny.ANY_CKPT], variants={
+    "no-kl": [], "kl": KL_ANY,
+    **{f"kl+{renew}": [*KL_ANY, "--ref-reset-every", str(RESET_EVERY_ANY), "--reset", renew]
+       for renew in ("both", "reference", "optimizer")},
+    "kl+both-on-stall": [*KL_ANY, "--ref-reset-on-stall", "2"]})
+# ProRL's own sampling and update settings (T 1.2, 16 samples, 4 updates a step so the 0.4 clip acts) against the
+# symmetric clip of 0.2 there: clip-higher keeps the entropy up (ProRL Sec. 3, after DAPO)
+FINDINGS["prorl-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY_CKPT, "--mpt", "off",
+                                                  "--temperature", "1.2", "--group-size", "16", "--mini-batch", "64"],
+                             variants={"clip0.2-0.4": ["--eps-high", "0.4"], "clip0.2-0.2": ["--eps-high", "0.2"]})
 CLAIMS = {
     "sigma-any": [
         Claim("dynamic DMMPTs hold a higher entropy at a higher sigma (UloRL Fig. 4: it settles near sigma)",
@@ -166,6 +184,16 @@ CLAIMS = {
               "pois-8seg", "sais-8seg"),
         Claim("TOIS trains to a higher accuracy than SAIS (UloRL Fig. 2)", "eval/accuracy", STEPS - 50, STEPS,
               "tois-1seg", "sais-8seg"),
+    ],
+    "resets-any": [
+        Claim("with KL, resets of the reference and AdamW keep improving past KL alone (ProRL Fig. 1-2)",
+              "eval/accuracy", PROLONGED_ANY_STEPS - 50, PROLONGED_ANY_STEPS, "kl+both", "kl"),
+        Claim("the reference's reset alone does too (what releases the anchor)", "eval/accuracy",
+              PROLONGED_ANY_STEPS - 50, PROLONGED_ANY_STEPS, "kl+reference", "kl"),
+    ],
+    "prorl-any": [
+        Claim("clip-higher (0.4) keeps more entropy than 0.2 at ProRL's settings (ProRL Sec. 3, DAPO)",
+              "entropy/mean", STEPS - 19, STEPS, "clip0.2-0.4", "clip0.2-0.2"),
     ],
     "dmmpt-any": [
         Claim("dynamic DMMPTs keep more entropy than none (UloRL Fig. 4)", "entropy/mean", STEPS - 19, STEPS,
@@ -714,6 +742,29 @@ def finding_prolonged(runs: dict, steps: int, figure: str) -> dict:
     return numbers
 
 
+def finding_resets(runs: dict, steps: int, figure: str) -> dict:
+    """KL and resets of each kind in a prolonged run: held-out accuracy at the half and the end and its gain over
+    the second half, the KL to the reference, the entropy, and how many resets each arm made."""
+    numbers = common_numbers(runs, steps)
+    half = steps // 2
+    for v, seeds in runs.items():
+        numbers[v]["eval_half"] = eval_at(seeds, half)
+        numbers[v]["gain_second_half"] = spread([b - a for a, b in zip(numbers[v]["eval_half"]["seeds"],
+                                                                       numbers[v]["eval_last"]["seeds"])])
+        numbers[v]["kl_mean"] = spread([window_mean(rs, "loss/kl", 1, steps) for rs in seeds])
+        numbers[v]["resets"] = spread([sum(1 for r in rs if r.get("train/ref_reset")) for rs in seeds])
+    print_table(numbers, ["eval_first", "eval_half", "eval_last", "gain_second_half", "entropy_last20", "kl_mean",
+                          "resets"])
+    plot.panel_figure([
+        {"title": eval_title(runs), "xlabel": "step", "style": "o-", "lines": curves(runs, "eval/accuracy")},
+        {"title": "k3 KL to the reference per token (trailing mean of 5)", "xlabel": "step",
+         "lines": curves({v: rs for v, rs in runs.items() if v != "no-kl"}, "loss/kl", 5)},
+        {"title": "mean token entropy (trailing mean of 5)", "xlabel": "step", "lines": curves(runs, "entropy/mean", 5)},
+    ], figure, f"KL and resets in prolonged RL (KL {BETA_ANY}, resets every {RESET_EVERY_ANY} steps or on a stall): "
+               f"mean over seeds, band = lowest to highest seed")
+    return numbers
+
+
 def parse_variants(texts: list[str]) -> dict[str, list[str]]:
     """--variant NAME=FLAGS (FLAGS split as a shell would; may be empty) -> {NAME: [flag, ...]}, in order."""
     variants = {}
@@ -820,7 +871,7 @@ def main(argv=None) -> dict:
     runs = run_all(name, spec, seeds, root, extra, args.jobs)
     steps = max(r["step"] for r in runs[next(iter(runs))][0])
     drawn_from_runs = {"dmmpt": finding_dmmpt, "dmmpt-any": finding_dmmpt, "sigma-any": finding_sigma, "is": finding_is,
-                       "is-any": finding_is, "staleness": finding_staleness,
+                       "is-any": finding_is, "resets-any": finding_resets, "prorl-any": finding_is, "staleness": finding_staleness,
                        "mastered": finding_mastered, "sigma": finding_sigma, "prolonged": finding_prolonged}
     if args.finding in drawn_from_runs:
         numbers = drawn_from_runs[args.finding](runs, steps, figure)

@@ -268,3 +268,12 @@ def test_the_committed_findings_agree_with_their_records():
     """What CI checks: `python experiments/findings.py check` on docs/findings.md and experiments/records/."""
     done = run([sys.executable, "experiments/findings.py", "check"], cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_every_claim_compares_two_arms_its_finding_runs():
+    module = findings()
+    for name, claims in module.CLAIMS.items():
+        variants = module.FINDINGS[name]["variants"]
+        for claim in claims:
+            assert claim.higher in variants and claim.lower in variants and claim.higher != claim.lower, (name, claim)
+            assert claim.metric in module.KEPT and 0 < claim.first <= claim.last <= module.FINDINGS[name]["steps"]
