@@ -220,7 +220,9 @@ def test_the_verdict_rule_on_both_sides_of_each_threshold():
     assert verdict(high[:4], low[:4]) == ("in part", "the direction matches, bands apart, but 4 seeds (< 5)")
     assert verdict(high, [*low[:4], 0.50])[0] == "in part"  # the lower arm's best seed reaches the higher's worst
     assert verdict(high, [*low[:4], 0.499])[0] == "reproduced"
-    assert verdict(low, high) == ("not reproduced", "the reverse direction")
+    assert verdict(low, high) == ("not reproduced", "the reverse direction, bands apart over 5 seeds")
+    assert verdict([*low[:4], 0.50], high) == ("not reproduced", "no difference: the bands overlap (the means the "
+                                                                 "other way)")
     assert verdict(high, high)[0] == "not reproduced"
 
 
