@@ -706,16 +706,23 @@ def no_signal(records: list[dict]) -> list[dict]:
             for r in records if r.get("train/samples")]
 
 
-def finding_prolonged(runs: dict, steps: int, figure: str) -> dict:
-    """ProRL's three arms against the learning rate: held-out accuracy at the end and its gain over the second
-    half (a stalled run gains nothing), the KL to the reference that anchors the policy, and the entropy."""
+def prolonged_numbers(runs: dict, steps: int) -> dict:
+    """common_numbers, and for a prolonged run: held-out accuracy at the half, its gain over the second half (a
+    stalled run gains nothing) and the mean KL to the reference."""
     numbers = common_numbers(runs, steps)
-    half = steps // 2
     for v, seeds in runs.items():
-        numbers[v]["eval_half"] = eval_at(seeds, half)
+        numbers[v]["eval_half"] = eval_at(seeds, steps // 2)
         numbers[v]["gain_second_half"] = spread([b - a for a, b in zip(numbers[v]["eval_half"]["seeds"],
                                                                        numbers[v]["eval_last"]["seeds"])])
         numbers[v]["kl_mean"] = spread([window_mean(rs, "loss/kl", 1, steps) for rs in seeds])
+    return numbers
+
+
+def finding_prolonged(runs: dict, steps: int, figure: str) -> dict:
+    """ProRL's three arms against the learning rate: held-out accuracy at the end and its gain over the second
+    half (a stalled run gains nothing), the KL to the reference that anchors the policy, and the entropy."""
+    numbers, half = prolonged_numbers(runs, steps), steps // 2
+    for v, seeds in runs.items():
         numbers[v]["no_signal_last50"] = spread([window_mean(no_signal(rs), "no_signal", max(1, steps - 49), steps)
                                                  for rs in seeds])
     print_table(numbers, ["eval_first", "eval_half", "eval_last", "gain_second_half", "entropy_last20", "kl_mean",
@@ -747,13 +754,8 @@ def finding_prolonged(runs: dict, steps: int, figure: str) -> dict:
 def finding_resets(runs: dict, steps: int, figure: str) -> dict:
     """KL and resets of each kind in a prolonged run: held-out accuracy at the half and the end and its gain over
     the second half, the KL to the reference, the entropy, and how many resets each arm made."""
-    numbers = common_numbers(runs, steps)
-    half = steps // 2
+    numbers = prolonged_numbers(runs, steps)
     for v, seeds in runs.items():
-        numbers[v]["eval_half"] = eval_at(seeds, half)
-        numbers[v]["gain_second_half"] = spread([b - a for a, b in zip(numbers[v]["eval_half"]["seeds"],
-                                                                       numbers[v]["eval_last"]["seeds"])])
-        numbers[v]["kl_mean"] = spread([window_mean(rs, "loss/kl", 1, steps) for rs in seeds])
         numbers[v]["resets"] = spread([sum(1 for r in rs if r.get("train/ref_reset")) for rs in seeds])
     print_table(numbers, ["eval_first", "eval_half", "eval_last", "gain_second_half", "entropy_last20", "kl_mean",
                           "resets"])
