@@ -433,18 +433,15 @@ def epoch_order(n_rows: int, seed: int, epoch: int) -> tuple[int, ...]:
 
 
 def draw_order(n_rows: int, seed: int, cursor: int, count: int) -> list[int]:
-    """Row indices for draw positions cursor .. cursor+count-1 of an endless stream, reshuffled every epoch
-    (epoch = position // n_rows). Stateless, so a checkpoint only stores the cursor to resume the same order."""
+    """Rows at positions cursor .. cursor+count-1 of an endless stream reshuffled every epoch: a cursor resumes it."""
     assert n_rows > 0 and cursor >= 0 and count >= 0, f"draw_order({n_rows=}, {cursor=}, {count=})"
     return [epoch_order(n_rows, seed, pos // n_rows)[pos % n_rows] for pos in range(cursor, cursor + count)]
 
 
 def draw_prompts(rows: list[dict], seed: int, cursor: int, n: int, tokenizer, max_prompt_len: int,
                  source: str = "", too_long: set | None = None) -> tuple[list[tuple[list[int], dict]], int, int]:
-    """The next n prompts of the endless shuffled stream (draw_order) from position `cursor` on, as (token
-    ids, row); prompts over `max_prompt_len` tokens are skipped. `too_long` remembers the rows found too long
-    (pass the same set every time), so each is tokenized once, not at every draw: a 1 MB prompt would
-    otherwise cost a tokenization per epoch. Returns (prompts, new cursor, skipped)."""
+    """The next n (token ids, row) of the stream from `cursor` on, skipping prompts over `max_prompt_len` tokens;
+    `too_long` keeps those rows across calls (a 1 MB prompt is tokenized once). (prompts, new cursor, skipped)"""
     too_long = set() if too_long is None else too_long
     out, skipped = [], 0
     while len(out) < n:

@@ -16,9 +16,7 @@ LM_HEAD_CHUNK = 512  # positions per lm_head chunk: [512, 151936] fp32 logits ar
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantage: (r - mean) / (std + eps) within each group (row). [n_groups, G] -> [n_groups, G].
-    std is the *sample* standard deviation (Bessel-corrected, torch.std's default), as in GRPO's reference
-    implementations. An all-equal group gets 0 (dynamic sampling drops those groups anyway)."""
+    """GRPO: (r - mean) / (std + eps) per group, std Bessel-corrected as GRPO's implementations. [n_groups, G]"""
     if rewards.shape[1] < 2:
         return torch.zeros_like(rewards)
     mean = rewards.mean(dim=1, keepdim=True)
@@ -30,17 +28,15 @@ def _chunk_logprobs_entropy(hidden, weight, targets, temperature):
     logits = (hidden @ weight.T).float() / temperature  # [n, V]: only one chunk of logits exists at a time
     logp = torch.log_softmax(logits, dim=-1)
     token_logp = logp.gather(-1, targets[:, None]).squeeze(-1)  # [n]
-    # differentiable, for a loss that wants it (DMMPTs only read it): its backward keeps one more [chunk, V] fp32
-    # tensor, 4 in all (297 MiB each at 152k tokens and 512 positions, measured on CPU; 5 when the loss uses it)
+    # differentiable for a loss that wants it: its backward keeps a 4th [chunk, V] fp32 tensor (297 MiB at 152k x 512)
     entropy = -(logp.exp() * logp).sum(-1)  # [n]
     return token_logp, entropy
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                    chunk: int = LM_HEAD_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-prob of each target [N], full-vocabulary entropy [N]) from hidden states [N, H] and lm_head [V, H],
-    `chunk` positions at a time, each checkpointed under grad: never more than [chunk, V] logits (all 8k x 151k
-    fp32 would be 5 GB)."""
+    """(target log-probs [N], entropy [N]) from hidden [N, H] and lm_head [V, H], `chunk` positions at a time,
+    checkpointed: never more than [chunk, V] logits (8k x 151k fp32 would be 5 GB)."""
     logps, ents = [], []
     for i in range(0, hidden.shape[0], chunk):
         args = (hidden[i:i + chunk], weight, targets[i:i + chunk], temperature)
@@ -55,12 +51,9 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 
 def mpt_mask(logprobs: torch.Tensor, entropy: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor,
              tau: float = 0.99, sigma: float = 0.2) -> torch.Tensor:
-    """DMMPTs (UloRL 3.2). Returns bool [B, T], True where a token still trains. False exactly for the
-    well-mastered positive tokens (a sample with reward >= 1, token probability >= tau) of samples whose mean
-    token entropy over their response (where mask is 1) is below sigma. Padding (mask 0) stays True: combine
-    with `mask` to get the tokens that train. sigma=inf gives the static variant (always mask MPTs)."""
-    # [B]; padding may hold inf
-    mean_entropy = torch.where(mask.bool(), entropy, 0).sum(1) / mask.float().sum(1).clamp(min=1)
+    """DMMPTs (UloRL 3.2): False [B, T] for the tokens of p >= tau in samples of reward 1 whose mean entropy
+    is below sigma (sigma=inf: static, always). Padding stays True: combine with `mask`."""
+    mean_entropy = torch.where(mask.bool(), entropy, 0).sum(1) / mask.float().sum(1).clamp(min=1)  # padding: inf
     masked_sample = (rewards >= 1) & (mean_entropy < sigma)  # [B]
     mastered = logprobs.exp() >= tau  # [B, T]
     return ~(masked_sample[:, None] & mastered & mask.bool())
@@ -68,11 +61,8 @@ def mpt_mask(logprobs: torch.Tensor, entropy: torch.Tensor, rewards: torch.Tenso
 
 def old_logprobs(is_mode: str, current: torch.Tensor, behaviour: torch.Tensor, token_versions: torch.Tensor,
                  current_version: int) -> torch.Tensor:
-    """pi_old of the importance ratio (UloRL 3.1), [B, T], from the trainer's log-probs under version
-    `current_version` (`current`) and the engine's at sampling time (`behaviour`, by `token_versions`).
-    tois: `current` (one segment: the current weights sampled every token). sais (Eq. 8): each token's own
-    segment's policy: `current` where the current weights sampled, `behaviour` elsewhere. pois: `current`
-    everywhere, the ratio starting at exactly 1 (pseudo on-policy, UloRL's choice)."""
+    """pi_old [B, T] (UloRL 3.1) from the trainer's log-probs now (`current`) and the engine's when it sampled
+    (`behaviour`): sais (Eq. 8) the sampling segment's policy; tois the same, one segment; pois `current`."""
     if is_mode == "pois":
         return current
     if is_mode in ("tois", "sais"):
@@ -190,10 +180,8 @@ def policy_loss_named(name: str):
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token",
               denom: float | torch.Tensor | None = None) -> torch.Tensor:
-    """A per-token quantity [B, T] (0 off `mask`) as a loss term, as policy_loss aggregates its own.
-    agg="token": its sum over `mask` tokens / their count; "sample": each sample's mean over its `mask` tokens,
-    summed over samples / the samples with any. denom: the count to divide by instead (the step's, over every
-    micro-batch and rank)."""
+    """A per-token term [B, T] as a loss: "token", over the tokens; "sample", the mean of the samples' means.
+    denom: the count to divide by instead (the step's, over every micro-batch and rank)."""
     if agg == "token":
         total, n = per_token.sum(), mask.sum()
     elif agg == "sample":

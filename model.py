@@ -223,11 +223,8 @@ class MicroBatch:
 
 
 def micro_batches(samples: list, max_tokens: int, pack: bool = True) -> list[list[int]]:
-    """Split sample indices into micro-batches of at most `max_tokens` tokens (prompt + response) each.
-    pack=True: each micro-batch is one row of sequences laid back to back (collate(pack=True)), nothing
-    padded; bins are filled first-fit in order of decreasing length. pack=False: rows padded to the
-    longest of their micro-batch, rows x longest <= max_tokens; sorting by length keeps padding small.
-    A sequence longer than `max_tokens` gets a micro-batch of its own."""
+    """Sample indices in micro-batches of at most `max_tokens` tokens (a longer sequence: one of its own). pack: one
+    row of sequences back to back, first-fit by decreasing length; else padded rows, rows x longest <= max_tokens."""
     lengths = [len(s.prompt_ids) + len(s.tokens) for s in samples]
     if pack:
         bins, room = [], []
@@ -250,14 +247,9 @@ def micro_batches(samples: list, max_tokens: int, pack: bool = True) -> list[lis
 
 
 def collate(samples: list, pad_id: int, device="cpu", pack: bool = True) -> MicroBatch:
-    """The trainer's input for one micro-batch of samples (segment_rollout.Sample).
-
-    pack=True: one row [1, L] of the sequences back to back, with position_ids restarting at 0 for each,
-    and no attention_mask: transformers then derives a block-diagonal causal mask from the position resets
-    (masking_utils.find_packed_sequence_indices; only with attention_mask=None and no KV cache), so no
-    token attends across sequences. pack=False: rows [b, L], right-padded, with an attention_mask.
-    Response token t of sample i sits at (rows, cols) = (row of i, start of i + P_i + t) and is predicted
-    by the hidden state one column earlier (P_i = prompt length)."""
+    """The trainer's input for one micro-batch. pack: one row [1, L], position_ids restarting at 0 per sequence and
+    no attention_mask, from which transformers derives a block-diagonal causal mask (only with no KV cache); else
+    right-padded rows [b, L]. A sample's response token t is predicted at (its row, start + prompt length + t - 1)."""
     seqs = [s.prompt_ids + s.tokens for s in samples]
     T = max(len(s.tokens) for s in samples)
     attn = pos = None
@@ -296,10 +288,8 @@ def collate(samples: list, pad_id: int, device="cpu", pack: bool = True) -> Micr
 # ---------------------------------------------------------------------------------- the forward pass
 
 def response_tokens(lm, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob and entropy of every response token of a micro-batch (packed or padded), [N] each, samples in
-    order. Only the N real response positions go through the lm_head, in chunks (loss.token_logprobs).
-    use_cache=False matters for packed rows: with a KV cache transformers skips the packed-sequence mask and
-    every sequence would attend to those before it in the row."""
+    """Log-prob and entropy of every response token, [N] each; only those N positions go through the lm_head.
+    use_cache=False: with a KV cache transformers skips the packed mask, and a row's sequences would see each other."""
     hidden = lm.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
                               use_cache=False, **mb.attention).last_hidden_state
     return loss.token_logprobs(hidden[mb.rows, mb.cols], lm.get_output_embeddings().weight, mb.targets, temperature)

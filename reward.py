@@ -31,9 +31,8 @@ _SENTENCE = re.compile(r"[^.!?]+[.!?]*")
 
 
 def without_prompt(row: dict, text: str) -> str:
-    """An instruction-following response without the prompt's text in it (the whole prompt, its lines, sentences):
-    echoed, the prompt holds the words it asks for, so repeating it met "include these words" without writing
-    anything. Other verifiers read an answer the prompt cannot give (and a code response may repeat its stub)."""
+    """An instruction-following response without the prompt's text (whole, lines, sentences): an echoed prompt
+    holds the words it asks for. Other verifiers read an answer the prompt cannot give."""
     if row["verifier"] != "ifeval":
         return text
     prompt = row["prompt"] if isinstance(row["prompt"], str) else "\n".join(
@@ -64,10 +63,8 @@ def score_batch(items: list[tuple[str, str, str]], timeout: float = 5.0, workers
 
 def overlong_reward(reward: float, n_tokens: int, truncated: bool, max_len: int,
                     mode: str = "zero", buffer: int = 0) -> float:
-    """Reward of a sample after overlong handling.
-    "zero" (UloRL): truncated samples get 0. "soft" (DAPO's soft overlong punishment): a penalty
-    growing linearly from 0 at max_len - buffer tokens to -1 at max_len is added; truncated samples
-    get 0 - 1. "none", and "filter" (the trainer drops truncated samples from the loss): unchanged."""
+    """After overlong handling: "zero" (UloRL) truncated gets 0; "soft" (DAPO) adds a penalty from 0 at max_len -
+    buffer tokens to -1 at max_len, truncated -1; "none" and "filter" (the update drops truncated samples) keep it."""
     if mode == "zero":
         return 0.0 if truncated else reward
     if mode == "soft":

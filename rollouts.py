@@ -63,8 +63,8 @@ class Rollouts:
         self.too_long: set = set()  # rows known to exceed --max-prompt-len (data.draw_prompts skips them)
 
     def next(self) -> Batch:
-        """Steps 1-4 of step state.step + 1: rounds until --train-groups informative groups are ready, continuing
-        what was decoded during the last update; then the step's groups (ulorl.take_groups)."""
+        """Steps 1-4: rounds until --train-groups informative groups are ready (after what the last update's overlap
+        decoded), then the step's groups."""
         state, cfg = self.state, self.cfg
         ahead, state.prefetched = state.prefetched, None
         record = ahead.record if ahead else new_record(self.pools)
@@ -81,8 +81,8 @@ class Rollouts:
         return Batch(groups, record, rewards, probing=False)
 
     def until_ready(self, record: dict, rewards: list, version: int) -> None:
-        """Rounds until --train-groups informative complete groups are ready (at least one a step, so unfinished
-        samples always advance), decoded by the weights of policy version `version`; counts go to `record`."""
+        """Rounds by the weights of `version` until --train-groups groups are ready: at least one, so that unfinished
+        samples always advance."""
         ran, cfg = False, self.cfg
         while record["rollout/rounds"] == 0 or len(self.state.ready) < cfg.train_groups:
             ran = True
@@ -111,8 +111,7 @@ class Rollouts:
             record.update(self.engine.round_metrics())
 
     def draw(self, record: dict) -> list:
-        """New prompts x G for a round: as many as fit next to the unfinished samples (--prompts-per-step x G
-        rows), none once enough groups are ready."""
+        """New prompts x G: as many as fit beside the unfinished samples in --prompts-per-step x G rows."""
         cfg, pools = self.cfg, self.pools
         open_slots = cfg.prompts_per_step * cfg.group_size - len(pools.unfinished)  # rollout rows for new groups
         n_new = 0 if len(self.state.ready) >= cfg.train_groups else max(open_slots // cfg.group_size, 0)
@@ -124,8 +123,8 @@ class Rollouts:
         return [pools.new_group(ids, row, cfg.group_size) for ids, row in prompts]
 
     def round(self, new: list, version: int) -> dict:
-        """Decode one segment of every unfinished and new sample (tokens stamped with `version`) and sort them
-        into the pools; one retry (the new samples already wait in the unfinished pool). Returns its counts."""
+        """One segment of every unfinished and new sample, sorted into the pools; one retry (the new samples already
+        wait in the unfinished pool)."""
         cfg = self.cfg
         segment_len = cfg.max_response_len // cfg.segments
         try:

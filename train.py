@@ -73,10 +73,8 @@ def evaluate_before_training(engine, tokenizer, eval_rows, cfg: Config, judge, s
 
 
 def sync_weights(engine, lm, dtype: str, ranks, replicas: int = 1) -> None:
-    """Step 7, the one place new weights reach the engine: rank 0's engine takes the trainer's module (vLLM
-    through its weight-transfer API, systems/weight_sync.py); the weights are gathered from the FSDP shards a layer
-    at a time, cast to the run's `dtype` first (fp32 masters travel as bf16), and every other rank takes its
-    part in those gathers: once for each of the `replicas` engines, which take the weights one after the other."""
+    """Step 7, the one place new weights reach the engine: rank 0's engine takes the module (systems/weight_sync.py),
+    gathered from the shards a layer at a time in `dtype`; the other ranks join each of the `replicas` gathers."""
     if engine is not None:
         engine.update_weights(lm)
     else:
@@ -87,9 +85,8 @@ def sync_weights(engine, lm, dtype: str, ranks, replicas: int = 1) -> None:
 # ----------------------------------------------------------------------------------------- logging
 
 def step_metrics(step: int, groups: list[list[Sample]], rewards: list, t_roll: float, record: dict) -> dict:
-    """The step's rollout numbers: rewards (per verifier too: one curve each in a mixture), lengths, speed.
-    `rewards`: (verifier, reward) of every sample the step's rollout rewarded; `record` is the step's record so
-    far (its generated-token count)."""
+    """The step's rollout numbers: rewards (per verifier too), lengths, speed. `rewards`: (verifier, reward) of every
+    sample the rollout rewarded."""
     trained = [s for g in groups for s in g]
     out = {}
     for v in sorted({v for v, _ in rewards}):
@@ -285,9 +282,8 @@ def set_up(cfg: Config) -> Run | None:
 
 
 def next_batch(run: Run):
-    """Steps 1-4 on rank 0: the step's groups (rollouts.Batch). An engine that failed leaves a checkpoint of the
-    samples decoded so far in one process (under torchrun a checkpoint needs every rank: the newest periodic
-    one resumes)."""
+    """Steps 1-4 on rank 0 (rollouts.Batch). A failed engine leaves a checkpoint in one process (under torchrun
+    one needs every rank: the newest periodic one resumes)."""
     try:
         return run.rollouts.next()
     except EngineFailure:

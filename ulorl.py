@@ -74,8 +74,7 @@ class RunState:
 
 
 def dynamic_sampling(groups: list[list], enabled: bool) -> tuple[list[list], int]:
-    """Dynamic sampling (DAPO, both papers): a group whose rewards are all equal has zero advantage and
-    teaches nothing, so it is dropped and sampling continues. Returns (kept groups, number dropped)."""
+    """DAPO's dynamic sampling: drop the groups of equal rewards (zero advantage). (kept, how many dropped)"""
     if not enabled:
         return groups, 0
     kept = [g for g in groups if len({s.reward for s in g}) > 1]
@@ -83,9 +82,8 @@ def dynamic_sampling(groups: list[list], enabled: bool) -> tuple[list[list], int
 
 
 def take_groups(state: RunState, cfg) -> tuple[list[list], int | None]:
-    """The step's --train-groups groups, first ready first trained; the rest wait for the next step, except under
-    TOIS, where every trained token must come from the weights being updated, and --surplus drop: they are
-    dropped. Returns (groups, how many were dropped: None when none can be)."""
+    """The first --train-groups ready groups; the rest wait, or are dropped (TOIS trains only tokens of the weights
+    it updates; --surplus drop). (groups, how many dropped: None when none can be)"""
     groups, state.ready = state.ready[:cfg.train_groups], state.ready[cfg.train_groups:]
     if cfg.is_mode != "tois" and cfg.surplus == "wait":
         return groups, None
@@ -100,9 +98,8 @@ def sample_advantages(groups: list[list]) -> torch.Tensor:
 
 
 def token_masks(mb: MicroBatch, current: torch.Tensor, entropy: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss_mask, pg_mask), [b, T] each. loss_mask: what the loss averages over (--overlong filter drops truncated
-    samples whole, as DAPO). pg_mask: where the policy-gradient term trains; DMMPTs (UloRL 3.2) drop the mastered
-    tokens of positive samples, which stay in the denominator with their KL term (UloRL Eq. 10)."""
+    """(loss_mask: what the loss averages over, pg_mask: where the policy gradient trains), [b, T]: a DMMPT-masked
+    token stays in the denominator with its KL term (UloRL Eq. 10)."""
     loss_mask = mb.resp_mask.clone() & (not mb.empty)
     if cfg.overlong == "filter":
         loss_mask &= ~mb.truncated[:, None]
@@ -114,8 +111,7 @@ def token_masks(mb: MicroBatch, current: torch.Tensor, entropy: torch.Tensor, cf
 
 
 def staleness(samples: list, version: int) -> dict:
-    """How many versions behind `version` the trained tokens, and the samples' last segments, were sampled: waiting
-    in the experience pool and carried-over groups are off-policy in ways POIS does not correct. Per segment."""
+    """How many versions behind `version` the trained tokens and the last segments were sampled."""
     tokens = lag_sum = lag_max = 0
     last = []
     for s in samples:
@@ -130,9 +126,8 @@ def staleness(samples: list, version: int) -> dict:
 
 
 def plan_micro_batches(samples: list, adv: torch.Tensor, pad_id: int, cfg, ranks) -> list[list[MicroBatch]]:
-    """Mini-batches (optimizer steps: whole groups, in order) of micro-batches (forward/backward calls), this rank's
-    share of each; a rank with fewer micro-batches runs empty stand-ins, so every rank's collectives line up.
-    `ranks` (distributed.Ranks): what the update needs of the trainer ranks."""
+    """Mini-batches (optimizer steps, whole groups) of this rank's micro-batches; a rank with fewer runs empty
+    stand-ins, so that every rank's collectives line up."""
     per_mini = len(samples) if cfg.mini_batch <= 0 else cfg.mini_batch
     minis = []
     for lo in range(0, len(samples), per_mini):
@@ -250,10 +245,8 @@ def optimize(policy, opt, sched, minis: list[list[MicroBatch]], cfg, tally: Tall
 
 
 def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: int, cfg, ranks, probe=None) -> dict:
-    """Steps 5-6 on a batch of complete, informative groups (the same batch on every rank), with the weights of
-    policy version `version`; `policy` and `ref` map a micro-batch to response log-probs and entropy (placement.wrap).
-    `probe` (--overlap): called by every rank after its pass over the batch, it returns samples the current
-    weights decoded, whose log-probs only the engine/trainer gap check sees. Returns the step's metrics."""
+    """Steps 5-6 on the same informative groups on every rank, with the weights of `version`. `probe` (--overlap):
+    samples the current weights decoded, which only the engine/trainer gap check sees. Returns the metrics."""
     samples = [s for g in groups for s in g]
     minis = plan_micro_batches(samples, sample_advantages(groups), pad_id, cfg, ranks)
     tally = Tally()
@@ -271,8 +264,7 @@ def update(policy, ref, opt, sched, groups: list[list], version: int, pad_id: in
 
 
 def after_update(record: dict, state: RunState, cfg, warn: bool = True) -> None:
-    """The policy version advances when the weights changed (SAIS/TOIS name the weights that sampled a token by
-    it); --max-bad-steps steps in a row without an applied update stop the run."""
+    """The version advances when the weights changed; --max-bad-steps steps without an update stop the run."""
     if record["train/optimizer_steps"]:
         state.version += 1
     if not record["train/skipped_updates"]:
@@ -289,10 +281,8 @@ def after_update(record: dict, state: RunState, cfg, warn: bool = True) -> None:
 
 
 def lr_factor(update: int, cfg) -> float:
-    """The learning rate of optimizer update `update` (0, 1, ...) as a fraction of --lr: a linear warm-up over
-    --warmup-steps updates, 1 until the last --lr-decay-steps RL steps (0: all after warm-up), and over those a
-    cosine down to --lr-final at the run's last update. An RL step is ceil(train_groups x G / mini_batch)
-    updates. (Warmup-stable-decay: most of the run learns at full speed, and the end is annealed.)"""
+    """Update `update`'s learning rate over --lr: warm-up-stable-decay, linear over --warmup-steps updates, then 1,
+    then a cosine to --lr-final over the last --lr-decay-steps RL steps (0: all of them)."""
     if update < cfg.warmup_steps:
         return (update + 1) / cfg.warmup_steps
     per_step = math.ceil(cfg.train_groups * cfg.group_size / cfg.mini_batch) if cfg.mini_batch else 1
