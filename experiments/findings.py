@@ -22,12 +22,13 @@ metric, steps and expected direction fixed in CLAIMS before it runs, 5 seeds:
     python experiments/findings.py is-any --seeds 0,1,2,3,4 --jobs 2 --record      # TOIS / SAIS / POIS, stale by segments
     python experiments/findings.py resets-any --seeds 0,1,2,3,4 --jobs 2 --record  # KL, resets of each kind, 300 steps
     python experiments/findings.py prorl-any --seeds 0,1,2,3,4 --jobs 2 --record   # ProRL's settings, clip-higher
-    python experiments/findings.py check      # recompute every verdict row of docs/findings.md from the records
+    python experiments/findings.py check      # recompute docs/findings.md's verdict rows and marked tables from the records
 
 One verdict rule for every claim (VERDICT_RULE below): "reproduced" only when the arms differ in the paper's
 direction and their bands, lowest to highest seed, over >= 5 seeds do not overlap. `--record` keeps each run's
-metrics (the keys KEPT, gzipped) under experiments/records/FINDING/, committed: `check` recomputes the table's rows
-from them alone and fails on any difference.
+metrics (the keys KEPT, gzipped) under experiments/records/FINDING/, committed: `check` recomputes the verdict
+rows, and every table under a `<!-- findings.py table ... -->` line (TABLE), from them alone and fails on any
+difference.
 
 Your own study: named variants, each a string of train.py flags, over seeds, with the same figure and table
 (runs in ROOT/NAME/VARIANT_sSEED; `--keys` picks the metrics drawn, one panel each):
@@ -45,9 +46,11 @@ import argparse
 import dataclasses
 import glob
 import gzip
+import itertools
 import json
 import os
 import random
+import re
 import shlex
 import subprocess
 import sys
@@ -265,10 +268,45 @@ def read_records(name: str, records: str = RECORDS) -> dict[str, list[list[dict]
     return runs
 
 
+# A table of docs/findings.md whose rows are recomputed from the records: this line above its header, each column
+# a metric averaged over steps (`@first-last`, or `@step`), one row an arm (mean [lowest, highest seed])
+TABLE = re.compile(r"^<!-- findings\.py table ([\w-]+): (.+?) -->$", re.M)
+
+
+def column(spec: str) -> tuple[str, int, int]:
+    metric, _, steps = spec.partition("@")
+    first, _, last = steps.partition("-")
+    return metric, int(first), int(last or first)
+
+
+def table_rows(runs: dict, columns: list[str]) -> list[str]:
+    """A TABLE's rows from a finding's runs: one an arm, in the runs' order."""
+    return [f"| {v} | " + " | ".join(band([window_mean(rs, *column(c)) for rs in seeds]) for c in columns) + " |"
+            for v, seeds in runs.items()]
+
+
+def check_tables(text: str, records: str) -> list[str]:
+    """Where docs/findings.md's TABLEs differ from their rows recomputed from the records."""
+    problems = []
+    for marker in TABLE.finditer(text):
+        name, columns = marker[1], marker[2].split()
+        runs = read_records(name, records)
+        if not runs:
+            problems.append(f"table of {name}: no records in {records}")
+            continue
+        lines = text[marker.end():].lstrip("\n").splitlines()[2:]  # after its header and the |---| line
+        in_doc = list(itertools.takewhile(lambda line: line.startswith("| "), lines))
+        computed = table_rows(runs, columns)
+        problems += [f"table of {name}, in the records, not in the doc: {row}" for row in computed if row not in in_doc]
+        problems += [f"table of {name}, in the doc, not from the records: {row}" for row in in_doc
+                     if row not in computed]
+    return problems
+
+
 def check(records: str = RECORDS, doc: str = DOC) -> list[str]:
-    """What differs between docs/findings.md's verdict rows (and its count of reproduced claims) and those
-    recomputed from the records: every recorded finding's rows must stand in the doc exactly, and every verdict
-    row of the doc must come from records. Empty: they agree."""
+    """What differs between docs/findings.md's verdict rows (and its count of reproduced claims, and its TABLEs)
+    and those recomputed from the records: every recorded finding's rows must stand in the doc exactly, and every
+    verdict row of the doc must come from records. Empty: they agree."""
     text = open(doc).read()
     in_doc = [line for line in text.splitlines() if line.startswith("| ") and line.split(" | ")[0][2:] in CLAIMS]
     problems, computed = [], []
@@ -286,7 +324,7 @@ def check(records: str = RECORDS, doc: str = DOC) -> list[str]:
     count = count_line(computed)
     if computed and count not in text:
         problems.append(f"{doc} does not say: {count}")
-    return problems
+    return problems + check_tables(text, records)
 
 
 def count_line(rows: list[str]) -> str:
@@ -840,7 +878,7 @@ def main(argv=None) -> dict:
         if extra:
             p.error(f"check trains nothing: unknown arguments {' '.join(extra)}")
         problems = check(args.records, args.doc)
-        print("\n".join(problems) if problems else f"{args.doc}: every verdict row agrees with {args.records}")
+        print("\n".join(problems) if problems else f"{args.doc}: its verdict rows and marked tables agree with {args.records}")
         if problems:
             raise SystemExit(1)
         return {"finding": "check", "problems": []}

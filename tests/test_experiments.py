@@ -266,6 +266,30 @@ def test_check_recomputes_the_verdict_rows_from_the_records_and_fails_on_any_dif
     assert problems and any("in the records, not in" in p for p in problems)
 
 
+def test_check_recomputes_a_marked_table_from_the_records(tmp_path):
+    """A table under a `findings.py table` line: each row an arm, each column a metric's mean [lowest, highest seed]
+    over its steps, recomputed from the records; a changed cell, a missing row or a finding without records fails."""
+    module = findings()
+    recorded(tmp_path, module)
+    records, doc = str(tmp_path / "records"), tmp_path / "findings.md"
+    # by hand: seed s's entropy is base + 0.01 s at every step, its accuracy base + 0.02 s (off's base 0.10)
+    rows = ["| off | 0.120 [0.100, 0.140] | 0.140 [0.100, 0.180] |",
+            "| static | 0.420 [0.400, 0.440] | 0.440 [0.400, 0.480] |",
+            "| dynamic | 0.270 [0.250, 0.290] | 0.290 [0.250, 0.330] |"]
+    verdicts = doc.read_text()
+    table = ("\n<!-- findings.py table dmmpt-any: entropy/mean@131-150 eval/accuracy@150 -->\n\n"
+             "| arm | entropy | accuracy |\n|---|---|---|\n" + "\n".join(rows) + "\n\nText.\n")
+    doc.write_text(verdicts + table)
+    assert module.check(records, str(doc)) == []
+    doc.write_text(verdicts + table.replace("0.120 [", "0.121 ["))
+    assert sorted(p.split(":")[0] for p in module.check(records, str(doc))) == [
+        "table of dmmpt-any, in the doc, not from the records", "table of dmmpt-any, in the records, not in the doc"]
+    doc.write_text(verdicts + table.replace(rows[2] + "\n", ""))
+    assert module.check(records, str(doc)) == [f"table of dmmpt-any, in the records, not in the doc: {rows[2]}"]
+    doc.write_text(verdicts + table.replace("table dmmpt-any", "table is-any"))
+    assert module.check(records, str(doc)) == [f"table of is-any: no records in {records}"]
+
+
 def test_the_committed_findings_agree_with_their_records():
     """What CI checks: `python experiments/findings.py check` on docs/findings.md and experiments/records/."""
     done = run([sys.executable, "experiments/findings.py", "check"], cwd=ROOT, timeout=300)
