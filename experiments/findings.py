@@ -231,7 +231,9 @@ def verdict(higher: list[float], lower: list[float]) -> tuple[str, str]:
 
 
 def band(values: list[float]) -> str:
-    return f"{sum(values) / len(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+    """mean [lowest, highest]: 3 decimals, 4 where every value is under 0.01 and one is not 0 (a clipped share)"""
+    d = 4 if 0 < max(map(abs, values)) < 0.01 else 3
+    return f"{sum(values) / len(values):.{d}f} [{min(values):.{d}f}, {max(values):.{d}f}]"
 
 
 def verdict_rows(name: str, runs: dict) -> list[str]:

@@ -290,6 +290,15 @@ def test_check_recomputes_a_marked_table_from_the_records(tmp_path):
     assert module.check(records, str(doc)) == [f"table of is-any: no records in {records}"]
 
 
+def test_a_band_keeps_a_small_share_readable():
+    """Three decimals, four where every value is under 0.01 and one is not 0 (a clipped share would read 0.001)."""
+    band = findings().band
+    assert band([0.1, 0.2, 0.3]) == "0.200 [0.100, 0.300]"
+    assert band([0.0005, 0.0009]) == "0.0007 [0.0005, 0.0009]"
+    assert band([0.0, 0.0]) == "0.000 [0.000, 0.000]"
+    assert band([0.002, 0.01]) == "0.006 [0.002, 0.010]"
+
+
 def test_the_committed_findings_agree_with_their_records():
     """What CI checks: `python experiments/findings.py check` on docs/findings.md and experiments/records/."""
     done = run([sys.executable, "experiments/findings.py", "check"], cwd=ROOT, timeout=300)
