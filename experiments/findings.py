@@ -272,7 +272,7 @@ def read_records(name: str, records: str = RECORDS) -> dict[str, list[list[dict]
 
 # A table of docs/findings.md whose rows are recomputed from the records: this line above its header, each column
 # a metric averaged over steps (`@first-last`, or `@step`), one row an arm (mean [lowest, highest seed])
-TABLE = re.compile(r"^<!-- findings\.py table ([\w-]+): (.+?) -->$", re.M)
+TABLE = re.compile(r"^<!-- findings\.py table ([\w-]+): (.+?) -->$", re.MULTILINE)
 
 
 def column(spec: str) -> tuple[str, int, int]:
