@@ -331,7 +331,8 @@ def check(records: str = RECORDS, doc: str = DOC) -> list[str]:
 
 def count_line(rows: list[str]) -> str:
     reproduced = sum("| **reproduced**" in row for row in rows)
-    return f"By the rule, {reproduced} of the {len(rows)} claims tested on the any-order task are reproduced."
+    verb = "is" if reproduced == 1 else "are"
+    return f"By the rule, {reproduced} of the {len(rows)} claims tested on the any-order task {verb} reproduced."
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -562,7 +563,8 @@ def finding_sigma(runs: dict, steps: int, figure: str) -> dict:
     return numbers
 
 
-def finding_is(runs: dict, steps: int, figure: str) -> dict:
+def finding_is(runs: dict, steps: int, figure: str, title: str = "pi_old under segment rollout") -> dict:
+    """The IS modes' numbers and figure (and prorl-any's: its arms differ in the clip, whose share is a panel)."""
     numbers = common_numbers(runs, steps)
     for v, seeds in runs.items():  # versions behind: every trained token, and each sample's last segment (a wait)
         numbers[v]["staleness"] = spread([window_mean(rs, "staleness/token_mean", 1, steps) for rs in seeds])
@@ -580,7 +582,7 @@ def finding_is(runs: dict, steps: int, figure: str) -> dict:
         {"title": eval_title(runs), "xlabel": "step", "lines": curves(runs, "eval/accuracy"),
          "style": "o-"},
         {"title": "clipped token fraction (trailing mean of 5)", "xlabel": "step", "lines": clip},
-    ], figure, "pi_old under segment rollout: mean over seeds, band = lowest to highest seed")
+    ], figure, f"{title}: mean over seeds, band = lowest to highest seed")
     return numbers
 
 
@@ -915,7 +917,8 @@ def main(argv=None) -> dict:
     runs = run_all(name, spec, seeds, root, extra, args.jobs)
     steps = max(r["step"] for r in runs[next(iter(runs))][0])
     drawn_from_runs = {"dmmpt": finding_dmmpt, "dmmpt-any": finding_dmmpt, "sigma-any": finding_sigma, "is": finding_is,
-                       "is-any": finding_is, "resets-any": finding_resets, "prorl-any": finding_is, "staleness": finding_staleness,
+                       "is-any": finding_is, "resets-any": finding_resets, "staleness": finding_staleness,
+                       "prorl-any": lambda *a: finding_is(*a, title="ProRL's settings (T 1.2, 16 samples, 4 updates a step)"),
                        "mastered": finding_mastered, "sigma": finding_sigma, "prolonged": finding_prolonged}
     if args.finding in drawn_from_runs:
         numbers = drawn_from_runs[args.finding](runs, steps, figure)

@@ -290,6 +290,14 @@ def test_check_recomputes_a_marked_table_from_the_records(tmp_path):
     assert module.check(records, str(doc)) == [f"table of is-any: no records in {records}"]
 
 
+def test_the_count_line_counts_the_reproduced_rows():
+    count_line = findings().count_line
+    rows = ["| a | c | m | x | **reproduced**: bands apart over 5 seeds |", "| a | c | m | x | **in part**: overlap |"]
+    assert count_line(rows) == "By the rule, 1 of the 2 claims tested on the any-order task is reproduced."
+    assert count_line(rows[1:]) == "By the rule, 0 of the 1 claims tested on the any-order task are reproduced."
+    assert count_line(rows[:1] * 2) == "By the rule, 2 of the 2 claims tested on the any-order task are reproduced."
+
+
 def test_a_band_keeps_a_small_share_readable():
     """Three decimals, four where every value is under 0.01 and one is not 0 (a clipped share would read 0.001)."""
     band = findings().band
