@@ -275,7 +275,8 @@ def read_records(name: str, records: str = RECORDS) -> dict[str, list[list[dict]
 
 
 # A table of docs/findings.md whose rows are recomputed from the records: this line above its header, each column
-# a metric averaged over steps (`@first-last`, or `@step`), one row an arm (mean [lowest, highest seed])
+# a metric averaged over steps (`@first-last`, or `@step`; `count:METRIC@...`, the steps that log it, as a reset's
+# train/ref_reset), one row an arm (mean [lowest, highest seed])
 TABLE = re.compile(r"^<!-- findings\.py table ([\w-]+): (.+?) -->$", re.MULTILINE)
 
 
@@ -285,9 +286,17 @@ def column(spec: str) -> tuple[str, int, int]:
     return metric, int(first), int(last or first)
 
 
+def cell(records: list[dict], spec: str) -> float:
+    """One run's value of a TABLE column."""
+    metric, first, last = column(spec.removeprefix("count:"))
+    if spec.startswith("count:"):
+        return float(sum(first <= r["step"] <= last and r.get(metric) is not None for r in records))
+    return window_mean(records, metric, first, last)
+
+
 def table_rows(runs: dict, columns: list[str]) -> list[str]:
     """A TABLE's rows from a finding's runs: one an arm, in the runs' order."""
-    return [f"| {v} | " + " | ".join(band([window_mean(rs, *column(c)) for rs in seeds]) for c in columns) + " |"
+    return [f"| {v} | " + " | ".join(band([cell(rs, c) for rs in seeds]) for c in columns) + " |"
             for v, seeds in runs.items()]
 
 

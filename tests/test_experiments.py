@@ -290,6 +290,18 @@ def test_check_recomputes_a_marked_table_from_the_records(tmp_path):
     assert module.check(records, str(doc)) == [f"table of is-any: no records in {records}"]
 
 
+def test_a_table_cell_is_a_window_mean_or_a_count_of_the_steps_that_log_it():
+    """`metric@first-last`: the mean over the steps that log it; `count:metric@...`: how many of them do (a reset
+    logs train/ref_reset at its step only)."""
+    cell = findings().cell
+    records = [{"step": s, "loss/kl": 0.1 * s, **({"train/ref_reset": 1} if s % 50 == 0 else {})} for s in range(1, 151)]
+    assert cell(records, "loss/kl@1-3") == pytest.approx(0.2)
+    assert cell(records, "loss/kl@150") == pytest.approx(15.0)
+    assert cell(records, "count:train/ref_reset@1-150") == 3.0
+    assert cell(records, "count:train/ref_reset@51-149") == 1.0
+    assert cell(records, "count:train/ref_reset@1-49") == 0.0
+
+
 def test_the_count_line_counts_the_reproduced_rows():
     count_line = findings().count_line
     rows = ["| a | c | m | x | **reproduced**: bands apart over 5 seeds |", "| a | c | m | x | **in part**: overlap |"]
