@@ -3,6 +3,7 @@ of the tests (tests/test_bench.py only runs each mode at a trivial size); timing
 
     python -m bench segments                    # 1/2/4/8 segments on the tiny task's long tail, interleaved
     python -m bench segments --task controlled  # 90% short responses, 10% that run to the cap
+    python -m bench segments --task controlled --segments 1,4 --long-frac 0.3   # the speedup at a 30% long tail
     python -m bench trl                         # TRL's GRPOTrainer vs ulorl (1 and 4 segments), alternating
     python -m bench memory                      # chunked log-prob/entropy vs naive, forward + backward
     python -m bench memory --big                # ... plus the 8k x 151,936 point (naive needs ~15 GB)

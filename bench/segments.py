@@ -1,6 +1,7 @@
 """`python -m bench segments`: 1/2/4/8 segments, one training run each, advanced in interleaved chunks; time per
 step, trained samples per second, decode-slot utilisation, rewards, and the GPU cost model's replay of the
 runs' own engine calls."""
+import argparse
 import json
 import os
 import random
@@ -21,9 +22,10 @@ def bucketed_prefill(call) -> int:
     return sum(len(g) * max(contexts[i] for i in g) for g in length_buckets(contexts))
 
 
-def controlled_data(path: str, n: int, seed: int, long_frac: float = 0.1) -> str:
+def controlled_data(path: str, n: int, seed: int, long_frac: float | None = None) -> str:
     """Tiny-task prompts with a controlled long tail: 2 terms (a 6-token response) or, with probability
     `long_frac`, 12 terms (~58 tokens: at the default 64-token cap)."""
+    long_frac = 0.1 if long_frac is None else long_frac
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(n):
@@ -85,7 +87,9 @@ def bench_segments(args, train_flags: list[str]) -> dict:
     base = ["--preset", "tiny",  # the tiny task's settings for any --model (a hub name alone would take UloRL's)
             "--eval-data", "", "--dump-samples", "0", "--save-every", "0", "--keep-last", "1", "--seed", str(args.seed)]
     if args.task == "controlled":
-        base += ["--data", controlled_data(os.path.join(work, "controlled.jsonl"), 20_000, args.seed)]
+        base += ["--data", controlled_data(os.path.join(work, "controlled.jsonl"), 20_000, args.seed, args.long_frac)]
+    elif args.long_frac is not None:
+        raise SystemExit("--long-frac sets the controlled task's share of long responses: add --task controlled")
     variants = args.segments.split(",")  # "4u": 4 segments, the transformers engine's prefill not bucketed
     recs = {s: [] for s in variants}
     counts = {s: dict.fromkeys(COUNTS, 0) for s in variants}
@@ -109,7 +113,7 @@ def bench_segments(args, train_flags: list[str]) -> dict:
     rows = segment_rows(variants, recs, counts, calls, by_round)
     one = rows[variants[0]]
     gpu = gpu_predictions(calls, recs, load_train().parse_config(base + train_flags).max_response_len, args.seed)
-    return {"bench": "segments", "task": args.task, "segments": variants,
+    return {"bench": "segments", "task": args.task, "long_frac": args.long_frac, "segments": variants,
             "speedup": [round(rows[s]["samples_per_s"] / one["samples_per_s"], 3) for s in variants],
             "utilisation": [round(rows[s]["utilisation"], 3) for s in variants],
             "reward": [round(rows[s]["reward"], 3) for s in variants],
@@ -145,6 +149,13 @@ def gpu_predictions(calls: dict, recs: dict, cap: int, seed: int) -> dict:
             "table1": summary}
 
 
+def share(text: str) -> float:
+    x = float(text)
+    if not 0 <= x <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: a share, from 0 to 1")
+    return x
+
+
 def add_parser(sub) -> None:
     s = sub.add_parser("segments", help="time per step and trained samples/s for 1, 2, 4, 8 segments",
                        description="Any other flag goes to train.py (python train.py --help).")
@@ -152,6 +163,8 @@ def add_parser(sub) -> None:
     s.add_argument("--task", default="tiny", choices=["tiny", "controlled"],
                    help="tiny: the built-in task (P(k) ~ k^-1.5 terms); controlled: 90%% 6-token and 10%% "
                         "~58-token responses")
+    s.add_argument("--long-frac", type=share, default=None,
+                   help="controlled: the share of 12-term problems, the rest 2 terms (default 0.1)")
     s.add_argument("--warmup", type=int, default=8, help="unmeasured steps per variant before the first round")
     s.add_argument("--rounds", type=int, default=6, help="measured rounds")
     s.add_argument("--chunk", type=int, default=4, help="steps per variant per round")

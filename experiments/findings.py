@@ -21,6 +21,9 @@ metric, steps and expected direction fixed in CLAIMS before it runs, 5 seeds:
     python experiments/findings.py sigma-any --seeds 0,1,2,3,4 --jobs 2 --record   # dynamic at sigma 0.1 / 0.3
     python experiments/findings.py is-any --seeds 0,1,2,3,4 --jobs 2 --record      # TOIS / SAIS / POIS, stale by segments
     python experiments/findings.py resets-any --seeds 1,2,3,4,5 --jobs 2 --record  # KL 1, resets of each kind (seed 0: the pilot)
+    python experiments/findings.py resets-dose-any --seeds 1,2,3,4,5 --jobs 2 --record  # the same at KL 0.1
+    python experiments/findings.py dynsamp-any --seeds 0,1,2,3,4 --jobs 2 --record  # dynamic sampling on / off
+    python experiments/findings.py noisy-any --seeds 0,1,2,3,4 --jobs 2 --record   # data cleaning, noisy labels
     python experiments/findings.py prorl-any --seeds 0,1,2,3,4 --jobs 2 --record   # ProRL's settings, clip-higher
     python experiments/findings.py check      # recompute docs/findings.md's verdict rows and marked tables from the records
 
@@ -128,7 +131,8 @@ VERDICT_RULE = ("reproduced: the arms differ in the paper's direction and their 
 MIN_SEEDS = 5
 RECORDS = os.path.join(ROOT, "experiments", "records")  # FINDING/VARIANT_sSEED.jsonl.gz: the runs behind the table
 KEPT = ("step", "eval/accuracy", "reward/mean", "entropy/mean", "mpt/masked_frac", "entropy/cov", "entropy/cov_masked",
-        "response/mean_len", "staleness/token_mean", "staleness/last_segment_mean", "clip/low_frac", "clip/high_frac", "loss/kl", "train/ref_reset")
+        "response/mean_len", "staleness/token_mean", "staleness/last_segment_mean", "clip/low_frac", "clip/high_frac", "loss/kl", "train/ref_reset",
+        "tokens/generated", "rollout/rounds", "dynamic/dropped_groups")
 DOC = os.path.join(ROOT, "docs", "findings.md")
 
 
@@ -174,6 +178,25 @@ FINDINGS["resets-any"] = dict(steps=RESETS_ANY_STEPS, common=[*PRORL_COMMON, "--
     **{f"kl+{renew}": [*KL_ANY, "--ref-reset-every", str(RESET_EVERY_ANY), "--reset", renew]
        for renew in ("both", "reference", "optimizer")},
     "kl+both-on-stall": [*KL_ANY, "--ref-reset-on-stall", str(STALL_ANY)]})
+# The same resets along the KL strength: at beta 0.1 (10x weaker than resets-any's) does KL alone still stall, and
+# do the resets still help? Beside resets-any's arms at beta 1 (its no-kl arm is the common baseline)
+BETA_DOSE = 0.1
+FINDINGS["resets-dose-any"] = dict(steps=RESETS_ANY_STEPS, common=[*PRORL_COMMON, "--model", tiny.ANY_CKPT], variants={
+    f"kl{BETA_DOSE}": ["--kl-coef", str(BETA_DOSE)],
+    f"kl{BETA_DOSE}+both": ["--kl-coef", str(BETA_DOSE), "--ref-reset-every", str(RESET_EVERY_ANY)]})
+# Dynamic sampling (DAPO, both papers) on and off at the tiny default's settings: off, a step's 16 groups include
+# those whose rewards are all equal, which carry no advantage and so no gradient
+FINDINGS["dynsamp-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY_CKPT], variants={
+    "on": ["--dynamic-sampling", "true"], "off": ["--dynamic-sampling", "false"]})
+# UloRL's data cleaning (section 3.4) under noisy labels: NOISY_ROWS training problems of the any-order task, a
+# NOISE share of them with the reference off by one (as a slipped sum would write it), which rewards a slip and
+# scores a right response 0; clean.py's majority check drops the rows where both warm starts, greedy, agree on an
+# answer that is not the reference. Trained on the true labels, the noisy ones and the cleaned ones (noisy_data)
+NOISY_ROWS, NOISE, NOISY_SEED = 4000, 0.3, 7
+FINDINGS["noisy-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY_CKPT, "--eval-data", "tiny"],
+                             prepare="noisy_data", variants={
+                                 arm: ["--data", os.path.join("{folder}", f"{arm}.jsonl")]
+                                 for arm in ("true", "noisy", "cleaned")})
 # ProRL's own sampling and update settings (T 1.2, 16 samples, 4 updates a step so the 0.4 clip acts) against the
 # symmetric clip of 0.2 there: clip-higher keeps the entropy up (ProRL Sec. 3, after DAPO)
 FINDINGS["prorl-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY_CKPT, "--mpt", "off",
@@ -197,6 +220,18 @@ CLAIMS = {
               RESETS_ANY_STEPS - 50, RESETS_ANY_STEPS, "kl+reference", "kl"),
         Claim("resets on a stall of the held-out accuracy do too (ProRL resets when validation stalls)",
               "eval/accuracy", RESETS_ANY_STEPS - 50, RESETS_ANY_STEPS, "kl+both-on-stall", "kl"),
+    ],
+    "resets-dose-any": [
+        Claim(f"with a weaker KL ({BETA_DOSE}), resets of the reference and AdamW still keep improving past KL alone",
+              "eval/accuracy", RESETS_ANY_STEPS - 50, RESETS_ANY_STEPS, f"kl{BETA_DOSE}+both", f"kl{BETA_DOSE}"),
+    ],
+    "dynsamp-any": [
+        Claim("dynamic sampling trains to a higher held-out accuracy per step than keeping all-equal groups (DAPO)",
+              "eval/accuracy", STEPS - 50, STEPS, "on", "off"),
+    ],
+    "noisy-any": [
+        Claim("cleaning a noisy dataset (majority of models against the reference) trains to a higher accuracy than "
+              "the noisy data (UloRL 3.4)", "eval/accuracy", STEPS - 50, STEPS, "cleaned", "noisy"),
     ],
     "prorl-any": [
         Claim("clip-higher (0.4) keeps more entropy than 0.2 at ProRL's settings (ProRL Sec. 3, DAPO)",
@@ -375,12 +410,42 @@ def train(run_dir: str, flags: list[str], steps: int) -> None:
     print(f"  {os.path.basename(run_dir)}: {time.time() - t0:.0f}s", flush=True)
 
 
+def noisy_data(folder: str) -> None:
+    """noisy-any's datasets in `folder`, unless there: true.jsonl (NOISY_ROWS training problems), noisy.jsonl (the
+    same, a NOISE share of the answers one off, up or down at random) and cleaned.jsonl (noisy.jsonl after clean.py's
+    majority check, its report beside it); prints how many noisy and true rows the cleaning dropped."""
+    if os.path.exists(os.path.join(folder, "cleaned.jsonl")):
+        return
+    rng = random.Random(NOISY_SEED)
+    rows = tiny.make_rows(NOISY_ROWS, NOISY_SEED)
+    noisy = [dict(r, answer=str(int(r["answer"]) + rng.choice((-1, 1)))) if rng.random() < NOISE else r for r in rows]
+    for arm, arm_rows in (("true", rows), ("noisy", noisy)):
+        with open(os.path.join(folder, f"{arm}.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in arm_rows)
+    cmd = [sys.executable, "clean.py", os.path.join(folder, "noisy.jsonl"), os.path.join(folder, "cleaned.jsonl"),
+           "--default-verifier", "tiny", "--majority-models", f"{tiny.CKPT},{tiny.ANY_CKPT}", "--temperature", "0",
+           "--max-tokens", "64", "--engine", "hf"]
+    subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    with open(os.path.join(folder, "cleaned.report.json")) as f:  # each dropped row "where": path:LINE, from 1
+        dropped = {int(d["where"].rpartition(":")[2]) - 1 for d in json.load(f)["dropped_rows"]}
+    wrong = [r["answer"] != t["answer"] for r, t in zip(noisy, rows)]
+    gone = [i in dropped for i in range(len(rows))]
+    print(f"noisy-any data: {sum(wrong)} of {len(rows)} labels wrong; the cleaning dropped "
+          f"{sum(w and g for w, g in zip(wrong, gone))} of them and {sum(g and not w for w, g in zip(wrong, gone))} "
+          f"right ones", flush=True)
+
+
 def run_all(name: str, spec: dict, seeds: list[int], root: str, extra: list[str], jobs: int) -> dict:
-    """Every (seed, variant) run of a finding; returns {variant: [metrics records of each seed]}."""
-    os.makedirs(os.path.join(root, name), exist_ok=True)
+    """Every (seed, variant) run of a finding; returns {variant: [metrics records of each seed]}. A finding's
+    `prepare` (a function's name here) first makes what its runs read in their folder ("{folder}" in its flags)."""
+    folder = os.path.join(root, name)
+    os.makedirs(folder, exist_ok=True)
+    if "prepare" in spec:
+        globals()[spec["prepare"]](folder)
     steps = int(next((extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--steps"), spec["steps"]))
     extra = [a for i, a in enumerate(extra) if a != "--steps" and (i == 0 or extra[i - 1] != "--steps")]
-    todo = [(os.path.join(root, name, f"{v}_s{s}"), spec["common"] + flags + extra + ["--seed", str(s)])
+    todo = [(os.path.join(folder, f"{v}_s{s}"),
+             spec["common"] + [f.replace("{folder}", folder) for f in flags] + extra + ["--seed", str(s)])
             for s in seeds for v, flags in spec["variants"].items()]  # seed-major: each seed's variants together
     with ThreadPoolExecutor(jobs) as pool:
         list(pool.map(lambda job: train(job[0], job[1], steps), todo))
@@ -806,7 +871,7 @@ def finding_prolonged(runs: dict, steps: int, figure: str) -> dict:
     return numbers
 
 
-def finding_resets(runs: dict, steps: int, figure: str) -> dict:
+def finding_resets(runs: dict, steps: int, figure: str, beta: float = BETA_ANY) -> dict:
     """KL and resets of each kind in a prolonged run: held-out accuracy at the half and the end and its gain over
     the second half, the KL to the reference, the entropy, and how many resets each arm made."""
     numbers = prolonged_numbers(runs, steps)
@@ -819,7 +884,7 @@ def finding_resets(runs: dict, steps: int, figure: str) -> dict:
         {"title": "k3 KL to the reference per token (trailing mean of 5)", "xlabel": "step",
          "lines": curves({v: rs for v, rs in runs.items() if v != "no-kl"}, "loss/kl", 5)},
         {"title": "mean token entropy (trailing mean of 5)", "xlabel": "step", "lines": curves(runs, "entropy/mean", 5)},
-    ], figure, f"KL and resets (KL {BETA_ANY}, resets every {RESET_EVERY_ANY} steps or on a stall): "
+    ], figure, f"KL and resets (KL {beta}, resets every {RESET_EVERY_ANY} steps or on a stall): "
                f"mean over seeds, band = lowest to highest seed")
     return numbers
 
@@ -931,6 +996,9 @@ def main(argv=None) -> dict:
     steps = max(r["step"] for r in runs[next(iter(runs))][0])
     drawn_from_runs = {"dmmpt": finding_dmmpt, "dmmpt-any": finding_dmmpt, "sigma-any": finding_sigma, "is": finding_is,
                        "is-any": finding_is, "resets-any": finding_resets, "staleness": finding_staleness,
+                       "resets-dose-any": lambda *a: finding_resets(*a, beta=BETA_DOSE),
+                       "dynsamp-any": lambda *a: finding_is(*a, title="dynamic sampling on and off"),
+                       "noisy-any": lambda *a: finding_is(*a, title="data cleaning under noisy labels"),
                        "prorl-any": lambda *a: finding_is(*a, title="ProRL's settings (T 1.2, 16 samples, 4 updates a step)"),
                        "mastered": finding_mastered, "sigma": finding_sigma, "prolonged": finding_prolonged}
     if args.finding in drawn_from_runs:

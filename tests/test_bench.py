@@ -47,6 +47,18 @@ def test_segments(tmp_path):
     assert "speedup" in p.stdout and "paper" in p.stdout  # the table
 
 
+def test_the_controlled_task_draws_the_long_share_asked_for(tmp_path):
+    from bench.segments import controlled_data
+    for frac in (0.0, 0.3, 1.0):
+        with open(controlled_data(str(tmp_path / "c.jsonl"), 2000, seed=0, long_frac=frac)) as f:
+            terms = [len(json.loads(line)["prompt"][:-1].split("+")) for line in f]
+        assert set(terms) <= {2, 12} and abs(terms.count(12) / len(terms) - frac) < 0.04, frac
+    p = run_bench("segments", "--long-frac", "0.3")  # the tiny task has no share to set: refused before any run
+    assert p.returncode != 0 and "--task controlled" in p.stderr
+    p = run_bench("segments", "--task", "controlled", "--long-frac", "1.5")
+    assert p.returncode == 2 and "from 0 to 1" in p.stderr
+
+
 def test_gpu_cost_model_by_hand():
     """Bytes over bandwidth, summed over decode steps: weights read once a step, each active row's KV cache
     (context so far) read once a step; a row that finishes leaves the batch."""

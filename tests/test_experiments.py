@@ -332,3 +332,32 @@ def test_every_claim_compares_two_arms_its_finding_runs():
         for claim in claims:
             assert claim.higher in variants and claim.lower in variants and claim.higher != claim.lower, (name, claim)
             assert claim.metric in module.KEPT and 0 < claim.first <= claim.last <= module.FINDINGS[name]["steps"]
+
+
+@pytest.mark.slow  # the cleaning samples two warm starts, then three 1-step runs
+def test_the_noisy_finding_makes_its_data_then_trains_each_arm_on_its_own(tmp_path, monkeypatch):
+    module = findings()
+    monkeypatch.setattr(module, "NOISY_ROWS", 120)
+    folder = tmp_path / "noisy-any"
+    runs = module.run_all("noisy-any", module.FINDINGS["noisy-any"], [0], str(tmp_path),
+                          ["--steps", "1", "--eval-n", "8", "--prompts-per-step", "2", "--train-groups", "2",
+                           "--dynamic-sampling", "false"], jobs=2)
+
+    def rows(arm):
+        with open(folder / f"{arm}.jsonl") as f:
+            return [json.loads(line) for line in f]
+    true, noisy, cleaned = rows("true"), rows("noisy"), rows("cleaned")
+    assert len(true) == len(noisy) == 120
+    assert all(r["answer"] == str(sum(map(int, r["prompt"][:-1].split("+")))) for r in true)
+    wrong = [n["answer"] != t["answer"] for n, t in zip(noisy, true)]
+    assert all(abs(int(n["answer"]) - int(t["answer"])) == 1 for n, t, w in zip(noisy, true, wrong) if w)
+    assert 0.15 < sum(wrong) / len(wrong) < 0.45  # NOISE 0.3
+    with open(folder / "cleaned.report.json") as f:
+        dropped = {int(d["where"].rpartition(":")[2]) - 1 for d in json.load(f)["dropped_rows"]}
+    assert cleaned == [r for i, r in enumerate(noisy) if i not in dropped]
+    # greedy warm starts rarely slip: their majority catches most wrong labels and drops no right one here
+    assert sum(wrong[i] for i in dropped) >= 0.6 * sum(wrong) and all(wrong[i] for i in dropped)
+    for arm in ("true", "noisy", "cleaned"):
+        assert [r["step"] for r in runs[arm][0]] == [0, 1]
+        with open(folder / f"{arm}_s0" / "step_000001" / "ulorl_state.json") as f:
+            assert json.load(f)["config"]["data"] == str(folder / f"{arm}.jsonl")
