@@ -191,12 +191,12 @@ FINDINGS["dynsamp-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.A
 # UloRL's data cleaning (section 3.4) under noisy labels: NOISY_ROWS training problems of the any-order task, a
 # NOISE share of them with the reference off by one (as a slipped sum would write it), which rewards a slip and
 # scores a right response 0; clean.py's majority check drops the rows where both warm starts, greedy, agree on an
-# answer that is not the reference. Trained on the true labels, the noisy ones and the cleaned ones (noisy_data)
+# answer that is not the reference. Trained on the noisy labels and on the cleaned ones (noisy_data)
 NOISY_ROWS, NOISE, NOISY_SEED = 4000, 0.3, 7
 FINDINGS["noisy-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY_CKPT, "--eval-data", "tiny"],
                              prepare="noisy_data", variants={
                                  arm: ["--data", os.path.join("{folder}", f"{arm}.jsonl")]
-                                 for arm in ("true", "noisy", "cleaned")})
+                                 for arm in ("noisy", "cleaned")})
 # ProRL's own sampling and update settings (T 1.2, 16 samples, 4 updates a step so the 0.4 clip acts) against the
 # symmetric clip of 0.2 there: clip-higher keeps the entropy up (ProRL Sec. 3, after DAPO)
 FINDINGS["prorl-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY_CKPT, "--mpt", "off",
@@ -879,12 +879,13 @@ def finding_resets(runs: dict, steps: int, figure: str, beta: float = BETA_ANY) 
         numbers[v]["resets"] = spread([sum(1 for r in rs if r.get("train/ref_reset")) for rs in seeds])
     print_table(numbers, ["eval_first", "eval_half", "eval_last", "gain_second_half", "entropy_last20", "kl_mean",
                           "resets"])
+    stall = " or on a stall" if any("on-stall" in v for v in runs) else ""
     plot.panel_figure([
         {"title": eval_title(runs), "xlabel": "step", "style": "o-", "lines": curves(runs, "eval/accuracy")},
         {"title": "k3 KL to the reference per token (trailing mean of 5)", "xlabel": "step",
          "lines": curves({v: rs for v, rs in runs.items() if v != "no-kl"}, "loss/kl", 5)},
         {"title": "mean token entropy (trailing mean of 5)", "xlabel": "step", "lines": curves(runs, "entropy/mean", 5)},
-    ], figure, f"KL and resets (KL {beta}, resets every {RESET_EVERY_ANY} steps or on a stall): "
+    ], figure, f"KL and resets (KL {beta}, resets every {RESET_EVERY_ANY} steps{stall}): "
                f"mean over seeds, band = lowest to highest seed")
     return numbers
 
