@@ -312,7 +312,7 @@ def read_records(name: str, records: str = RECORDS) -> dict[str, list[list[dict]
 # A table of docs/findings.md whose rows are recomputed from the records: this line above its header, each column
 # a metric averaged over steps (`@first-last`, or `@step`; `count:METRIC@...`, the steps that log it, as a reset's
 # train/ref_reset), one row an arm (mean [lowest, highest seed])
-TABLE = re.compile(r"^<!-- findings\.py table ([\w-]+): (.+?) -->$", re.MULTILINE)
+TABLE = re.compile(r"^[ \t]*<!-- findings\.py table ([\w-]+): (.+?) -->$", re.MULTILINE)  # indented: in a list item
 
 
 def column(spec: str) -> tuple[str, int, int]:
@@ -344,7 +344,7 @@ def check_tables(text: str, records: str) -> list[str]:
         if not runs:
             problems.append(f"table of {name}: no records in {records}")
             continue
-        lines = text[marker.end():].lstrip("\n").splitlines()[2:]  # after its header and the |---| line
+        lines = [line.strip() for line in text[marker.end():].lstrip().splitlines()[2:]]  # after its header, |---|
         in_doc = list(itertools.takewhile(lambda line: line.startswith("| "), lines))
         computed = table_rows(runs, columns)
         problems += [f"table of {name}, in the records, not in the doc: {row}" for row in computed if row not in in_doc]

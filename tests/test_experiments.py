@@ -288,6 +288,9 @@ def test_check_recomputes_a_marked_table_from_the_records(tmp_path):
     assert module.check(records, str(doc)) == [f"table of dmmpt-any, in the records, not in the doc: {rows[2]}"]
     doc.write_text(verdicts + table.replace("table dmmpt-any", "table is-any"))
     assert module.check(records, str(doc)) == [f"table of is-any: no records in {records}"]
+    indented = table.replace("\n", "\n  ").replace("0.120 [", "0.121 [")  # a table in a list item is checked too
+    doc.write_text(verdicts + indented)
+    assert len(module.check(records, str(doc))) == 2
 
 
 def test_a_table_cell_is_a_window_mean_or_a_count_of_the_steps_that_log_it():
