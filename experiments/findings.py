@@ -25,6 +25,8 @@ metric, steps and expected direction fixed in CLAIMS before it runs, 5 seeds:
     python experiments/findings.py dynsamp-any --seeds 0,1,2,3,4 --jobs 2 --record  # dynamic sampling on / off
     python experiments/findings.py noisy-any --seeds 0,1,2,3,4 --jobs 2 --record   # data cleaning, noisy labels
     python experiments/findings.py prorl-any --seeds 0,1,2,3,4 --jobs 2 --record   # ProRL's settings, clip-higher
+    python experiments/findings.py length-any --seeds 0,1,2,3,4 --jobs 2 --record  # response cap 32 / 64 tokens
+    python experiments/findings.py boundary-any --seeds 0,1,2,3,4 --record  # pass@1..64, warm start / dynsamp-any's "on"
     python experiments/findings.py check      # recompute docs/findings.md's verdict rows and marked tables from the records
 
 One verdict rule for every claim (VERDICT_RULE below): "reproduced" only when the arms differ in the paper's
@@ -202,7 +204,25 @@ FINDINGS["noisy-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY
 FINDINGS["prorl-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY_CKPT, "--mpt", "off",
                                                   "--temperature", "1.2", "--group-size", "16", "--mini-batch", "64"],
                              variants={"clip0.2-0.4": ["--eps-high", "0.4"], "clip0.2-0.2": ["--eps-high", "0.2"]})
+# Longer outputs (UloRL trains and evaluates at 32k to 128k): the response cap halved, in segments of 16 tokens as
+# UloRL keeps its segments' length and adds segments; each arm's held-out accuracy is measured at its own cap
+FINDINGS["length-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY_CKPT], variants={
+    f"len{n}": ["--max-response-len", str(n), "--segments", str(n // 16)] for n in (32, 64)})
+# ProRL's reasoning boundary: pass@1..BOUNDARY_K of the warm start against the last checkpoints of BOUNDARY_RUNS (the
+# tiny default at a constant learning rate, 150 steps), on BOUNDARY_PROBLEMS held-out problems. Seed s's model
+# samples the held-out draw of seed s (eval.py --seed), and so does the warm start once for each s, so both bands
+# carry the draw. Trains nothing: its records hold one row per k (`step` is k, `passk` the estimate)
+BOUNDARY_RUNS, BOUNDARY_K, BOUNDARY_PROBLEMS = "dynsamp-any/on", 64, 256
 CLAIMS = {
+    "length-any": [
+        Claim("a longer response cap trains to a higher held-out accuracy (UloRL: 73.5 at 32k -> 82.8 at 128k)",
+              "eval/accuracy", STEPS - 50, STEPS, "len64", "len32"),
+    ],
+    "boundary-any": [
+        Claim("RL raises pass@1 (ProRL; the sharpening view agrees)", "passk", 1, 1, "rl", "warm-start"),
+        Claim(f"RL raises pass@{BOUNDARY_K} too: it solves problems the warm start does not (ProRL's boundary)",
+              "passk", BOUNDARY_K, BOUNDARY_K, "rl", "warm-start"),
+    ],
     "sigma-any": [
         Claim("dynamic DMMPTs hold a higher entropy at a higher sigma (UloRL Fig. 4: it settles near sigma)",
               "entropy/mean", STEPS - 19, STEPS, "dynamic_sigma0.3", "dynamic_sigma0.1"),
@@ -290,10 +310,15 @@ def verdict_rows(name: str, runs: dict) -> list[str]:
 
 def write_records(name: str, runs_dir: str, variants: list[str], seeds: list[int], records: str = RECORDS) -> None:
     """Each run's metrics.jsonl, only the KEPT keys, gzipped into records/NAME/VARIANT_sSEED.jsonl.gz (a few KB)."""
+    save_records(name, {v: [[{k: r[k] for k in KEPT if k in r} for r in plot.read_metrics(os.path.join(runs_dir, f"{v}_s{seed}"))]
+                            for seed in seeds] for v in variants}, seeds, records)
+
+
+def save_records(name: str, runs: dict[str, list[list[dict]]], seeds: list[int], records: str = RECORDS) -> None:
+    """{variant: [each seed's rows]} gzipped into records/NAME/VARIANT_sSEED.jsonl.gz, one JSON row a line."""
     os.makedirs(os.path.join(records, name), exist_ok=True)
-    for v in variants:
-        for seed in seeds:
-            rows = [{k: r[k] for k in KEPT if k in r} for r in plot.read_metrics(os.path.join(runs_dir, f"{v}_s{seed}"))]
+    for v, per_seed in runs.items():
+        for seed, rows in zip(seeds, per_seed, strict=True):
             with gzip.GzipFile(os.path.join(records, name, f"{v}_s{seed}.jsonl.gz"), "wb", mtime=0) as f:
                 f.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode())
 
@@ -335,18 +360,78 @@ def table_rows(runs: dict, columns: list[str]) -> list[str]:
             for v, seeds in runs.items()]
 
 
-def check_tables(text: str, records: str) -> list[str]:
-    """Where docs/findings.md's TABLEs differ from their rows recomputed from the records."""
+# A benchmark's table: this line above its header; NAME.json under the records is the bench's last JSON line; each
+# column a dotted key of it to a list (row i: item i) and a format (`step_s:.2f`; a trailing `x` prints a ratio as
+# 1.22x; `reward+-reward_sem:.3f` two keys as mean +- error)
+BENCH_TABLE = re.compile(r"^[ \t]*<!-- findings\.py bench ([\w./-]+): (.+?) -->$", re.MULTILINE)
+
+
+# Numbers quoted from a benchmark's record in the text or table that follows: the TEMPLATE's fields read NAME.json
+# (`{speedup[2]:.2f}x`: str.format on the record) and the rendered text must stand in the lines after the marker,
+# up to the first blank line after them, wherever its lines break (several markers may stand above one table)
+QUOTE = re.compile(r"^[ \t]*<!-- findings\.py quote ([\w./-]+): (.+?) -->$", re.MULTILINE)
+
+
+def check_quotes(text: str, records: str) -> list[str]:
+    """Where a QUOTE's rendered text is not in the block it stands above."""
     problems = []
-    for marker in TABLE.finditer(text):
-        name, columns = marker[1], marker[2].split()
-        runs = read_records(name, records)
-        if not runs:
+    for marker in QUOTE.finditer(text):
+        path = os.path.join(records, marker[1] + ".json")
+        if not os.path.exists(path):
+            problems.append(f"quote of {marker[1]}: no record {path}")
+            continue
+        with open(path) as f:
+            quoted = marker[2].format_map(json.load(f))
+        block = text[marker.end():].lstrip("\n").split("\n\n")[0]
+        if " ".join(quoted.split()) not in " ".join(block.split()):  # wherever the lines break
+            problems.append(f"quote of {marker[1]}: {quoted!r} is not in the text under its marker")
+    return problems
+
+
+def bench_value(record: dict, key: str, row: int):
+    for part in key.split("."):
+        record = record[part]
+    return record[row]
+
+
+def bench_cell(record: dict, spec: str, row: int) -> str:
+    key, _, fmt = spec.partition(":")
+    ratio = fmt.endswith("x")
+    fmt = fmt.removesuffix("x")
+    if "+-" in key:
+        mean, error = key.split("+-")
+        return f"{bench_value(record, mean, row):{fmt}} +- {bench_value(record, error, row):{fmt}}"
+    return f"{bench_value(record, key, row):{fmt}}" + ("x" if ratio else "")
+
+
+def bench_rows(record: dict, columns: list[str]) -> list[str]:
+    """A bench table's rows from its record: one an item of the first column's list."""
+    first = columns[0].partition(":")[0].split("+-")[0]
+    return ["| " + " | ".join(bench_cell(record, c, i) for c in columns) + " |"
+            for i in range(len(bench_value(record, first, slice(None))))]
+
+
+def marked_rows(text: str, marker: re.Match) -> list[str]:
+    """The rows of the table under a marker line: after its header and |---|, up to the first line not a row."""
+    lines = [line.strip() for line in text[marker.end():].lstrip().splitlines()[2:]]
+    return list(itertools.takewhile(lambda line: line.startswith("| "), lines))
+
+
+def check_tables(text: str, records: str) -> list[str]:
+    """Where docs/findings.md's TABLEs and bench tables differ from their rows recomputed from the records."""
+    problems = []
+    for marker in [*TABLE.finditer(text), *BENCH_TABLE.finditer(text)]:
+        name, columns = marker[1], shlex.split(marker[2])  # a key with a space in quotes
+        if marker.re is TABLE:
+            runs = read_records(name, records)
+            computed = table_rows(runs, columns) if runs else None
+        else:
+            path = os.path.join(records, name + ".json")
+            computed = bench_rows(json.load(open(path)), columns) if os.path.exists(path) else None
+        if computed is None:
             problems.append(f"table of {name}: no records in {records}")
             continue
-        lines = [line.strip() for line in text[marker.end():].lstrip().splitlines()[2:]]  # after its header, |---|
-        in_doc = list(itertools.takewhile(lambda line: line.startswith("| "), lines))
-        computed = table_rows(runs, columns)
+        in_doc = marked_rows(text, marker)
         problems += [f"table of {name}, in the records, not in the doc: {row}" for row in computed if row not in in_doc]
         problems += [f"table of {name}, in the doc, not from the records: {row}" for row in in_doc
                      if row not in computed]
@@ -374,7 +459,7 @@ def check(records: str = RECORDS, doc: str = DOC) -> list[str]:
     count = count_line(computed)
     if computed and count not in text:
         problems.append(f"{doc} does not say: {count}")
-    return problems + check_tables(text, records)
+    return problems + check_tables(text, records) + check_quotes(text, records)
 
 
 def count_line(rows: list[str]) -> str:
@@ -695,11 +780,11 @@ def response_tokens(row: dict, tokenizer) -> int:
     return len(tokenizer(tiny.teacher_response(terms, random.Random(0))).input_ids) + 1
 
 
-def evaluate_at(model_dir: str, report: str, max_len: int, k: int, n: int) -> dict:
+def evaluate_at(model_dir: str, report: str, max_len: int, k: int, n: int, seed: int = 0) -> dict:
     """eval.py in its own process (one thread): the report, cached in `report`."""
     if not os.path.exists(report):
         cmd = [sys.executable, "eval.py", "--model", model_dir, "--k", str(k), "--n-problems", str(n),
-               "--max-response-len", str(max_len), "--batch", "512", "--report", report]
+               "--max-response-len", str(max_len), "--batch", "512", "--seed", str(seed), "--report", report]
         with open(report + ".log", "w") as log:
             p = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
         if p.returncode != 0:
@@ -794,6 +879,36 @@ def finding_passk(root: str, models: list[str], figure: str, k: int, n: int) -> 
                         "ylabel": "pass@k", "lines": lines}],
                       figure, "Warm start vs RL-trained (mean over seeds)")
     return {"pass@k": passk, "problems": n, "samples": k, "runs": run_dirs}
+
+
+def finding_boundary_any(root: str, seeds: list[int], k: int, n: int, figure: str) -> dict[str, list[list[dict]]]:
+    """pass@1..k of the warm start and of BOUNDARY_RUNS' last checkpoints, seed by seed, two evaluations at a time:
+    {"rl" | "warm-start": [each seed's rows {"step": k, "passk": pass@k}]}."""
+    dirs = [os.path.join(root, f"{BOUNDARY_RUNS}_s{s}") for s in seeds]
+    missing = [d for d in dirs if not outdir.list_checkpoints(d)]
+    if missing:
+        raise SystemExit(f"no checkpoint in {', '.join(missing)}: run `python experiments/findings.py "
+                         f"{BOUNDARY_RUNS.split('/')[0]} --only {BOUNDARY_RUNS.split('/')[1]} --seeds "
+                         f"{','.join(map(str, seeds))} --root {root}` first")
+    folder = os.path.join(root, "boundary-any")
+    os.makedirs(folder, exist_ok=True)
+    jobs = [(arm, s, model) for s, d in zip(seeds, dirs) for arm, model in
+            (("rl", final_checkpoint(d)), ("warm-start", tiny.ANY_CKPT))]
+    with ThreadPoolExecutor(2) as pool:
+        reports = list(pool.map(lambda j: evaluate_at(j[2], os.path.join(folder, f"{j[0]}_s{j[1]}.pass{k}x{n}.json"),
+                                                      64, k, n, seed=j[1]), jobs))
+    runs = {"rl": [], "warm-start": []}
+    for (arm, _, _), report in zip(jobs, reports):
+        runs[arm].append([{"step": kk, "passk": p} for kk, p in enumerate(pass_curve(report), 1)])
+    ks = list(range(1, k + 1))
+    plot.panel_figure([{"title": f"pass@k, {n} held-out problems, {k} samples each", "xlabel": "k", "logx": True,
+                        "ylabel": "pass@k", "lines": {arm: (ks, [sum(rs[i]["passk"] for rs in per_seed) / len(per_seed) for i in range(k)],
+                                                            [min(rs[i]["passk"] for rs in per_seed) for i in range(k)],
+                                                            [max(rs[i]["passk"] for rs in per_seed) for i in range(k)])
+                                                      for arm, per_seed in runs.items()}}],
+                      figure, f"Warm start against RL ({BOUNDARY_RUNS}'s last checkpoints): mean over seeds, "
+                              f"band = lowest to highest seed")
+    return runs
 
 
 def finding_boundary(runs: dict, steps: int, figure: str, root: str, seeds: list[int], k: int, n: int) -> dict:
@@ -934,12 +1049,12 @@ def finding_variants(runs: dict, steps: int, figure: str, keys: list[str], name:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("finding", choices=[*FINDINGS, "passk", "variants", "check"],
+    p.add_argument("finding", choices=[*FINDINGS, "boundary-any", "passk", "variants", "check"],
                    help="which finding to reproduce; variants: your own --variant runs; check: docs/findings.md's "
                         "verdict rows against the committed records")
     p.add_argument("--record", action="store_true",
                    help="keep the runs' metrics under experiments/records/FINDING/ (committed: what check reads)")
-    p.add_argument("--records", default=RECORDS, help="check: the records' folder")
+    p.add_argument("--records", default=RECORDS, help="the records' folder: check reads it, --record writes to it")
     p.add_argument("--doc", default=DOC, help="check: the document whose verdict rows it checks")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="variants: one variant, its train.py flags as one string (repeat the option)")
@@ -979,6 +1094,21 @@ def main(argv=None) -> dict:
                         "wall_s": time.time() - t0})
         print(json.dumps(result))
         return result
+    if args.finding == "boundary-any":
+        if extra:
+            p.error(f"boundary-any trains nothing: unknown arguments {' '.join(extra)}")
+        runs = finding_boundary_any(root, seeds, args.passk_samples, args.passk_problems, figure)
+        for arm, per_seed in runs.items():
+            print(f"{arm:>10} | " + " | ".join(f"pass@{kk} {band([rs[kk - 1]['passk'] for rs in per_seed])}"
+                                                for kk in eval_lib.ks_up_to(args.passk_samples)))
+        print("\n" + "\n".join(verdict_rows(name, runs)))
+        if args.record:
+            save_records(name, runs, seeds, args.records)
+            print(f"records: {os.path.join(args.records, name)}")
+        result = clean({"finding": name, "seeds": seeds, "runs": runs, "figure": figure, "wall_s": time.time() - t0})
+        with open(os.path.join(root, name, "summary.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        return result
     if args.finding == "variants":
         spec = dict(steps=STEPS, common=[], variants=parse_variants(args.variant))
     elif args.variant:
@@ -1001,6 +1131,7 @@ def main(argv=None) -> dict:
                        "dynsamp-any": lambda *a: finding_is(*a, title="dynamic sampling on and off"),
                        "noisy-any": lambda *a: finding_is(*a, title="data cleaning under noisy labels"),
                        "prorl-any": lambda *a: finding_is(*a, title="ProRL's settings (T 1.2, 16 samples, 4 updates a step)"),
+                       "length-any": lambda *a: finding_is(*a, title="a 32- against a 64-token response cap"),
                        "mastered": finding_mastered, "sigma": finding_sigma, "prolonged": finding_prolonged}
     if args.finding in drawn_from_runs:
         numbers = drawn_from_runs[args.finding](runs, steps, figure)
@@ -1013,8 +1144,8 @@ def main(argv=None) -> dict:
     if name in CLAIMS:
         print("\n" + "\n".join(verdict_rows(name, runs)))
         if args.record:
-            write_records(name, os.path.join(root, name), list(spec["variants"]), seeds)
-            print(f"records: {os.path.join(RECORDS, name)}")
+            write_records(name, os.path.join(root, name), list(spec["variants"]), seeds, args.records)
+            print(f"records: {os.path.join(args.records, name)}")
     elif args.record:
         p.error(f"--record: {name} has no CLAIMS to check its records against")
     wall = time.time() - t0

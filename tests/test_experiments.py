@@ -7,6 +7,7 @@ The findings themselves are in docs/findings.md; experiments are not tests.
 """
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -293,6 +294,38 @@ def test_check_recomputes_a_marked_table_from_the_records(tmp_path):
     assert len(module.check(records, str(doc))) == 2
 
 
+def test_check_recomputes_a_bench_table_and_quoted_numbers_from_the_bench_s_record(tmp_path):
+    """A bench table's row i takes item i of each column's list, formatted as its marker says; a quote's numbers,
+    rendered from the record, must stand in the text under it. A changed number or a missing record fails."""
+    module = findings()
+    records, doc = tmp_path / "records", tmp_path / "findings.md"
+    (records / "bench").mkdir(parents=True)
+    (records / "bench" / "seg.json").write_text(json.dumps({
+        "segments": ["1", "4"], "speedup": [1.0, 1.397], "prefill": [3819, 15424], "reward": [0.7771, 0.772],
+        "reward_sem": [0.0126, 0.01], "results": {"hf 1x2": {"step_ms": [4.0714, 7.1158]}}}))
+    rows = ["| 1 | 1.00x | 3,819 | 0.777 +- 0.013 | 4.1 |",  # by hand: 1.397 -> 1.40x, 0.0126 -> 0.013
+            "| 4 | 1.40x | 15,424 | 0.772 +- 0.010 | 7.1 |"]
+    text = ('<!-- findings.py bench bench/seg: segments speedup:.2fx prefill:, reward+-reward_sem:.3f '
+            '"results.hf 1x2.step_ms:.1f" -->\n\n| segments | speedup | prefill | reward | ms |\n|---|---|---|---|---|\n'
+            + "\n".join(rows) + "\n\nWith 4 segments:\n"
+            '<!-- findings.py quote bench/seg: {speedup[1]:.2f}x faster, {results[hf 1x2][step_ms][1]:.1f} ms -->\n'
+            "1.40x faster, 7.1 ms a step.\n\nNext.\n")
+    doc.write_text(text)
+    assert module.check(str(records), str(doc)) == []
+    doc.write_text(text.replace("| 1.40x |", "| 1.39x |"))
+    assert sorted(p.split(":")[0] for p in module.check(str(records), str(doc))) == [
+        "table of bench/seg, in the doc, not from the records", "table of bench/seg, in the records, not in the doc"]
+    doc.write_text(text.replace("7.1 ms a step", "7.2 ms a step"))
+    assert module.check(str(records), str(doc)) == [
+        "quote of bench/seg: '1.40x faster, 7.1 ms' is not in the text under its marker"]
+    doc.write_text(text.replace("ms -->\n", "ms -->\nOther words.\n\n"))  # a blank line ends the marker's block
+    assert len(module.check(str(records), str(doc))) == 1
+    doc.write_text(text.replace("bench/seg:", "bench/other:"))
+    assert sorted(module.check(str(records), str(doc))) == [
+        f"quote of bench/other: no record {records / 'bench' / 'other.json'}",
+        f"table of bench/other: no records in {records}"]
+
+
 def test_a_table_cell_is_a_window_mean_or_a_count_of_the_steps_that_log_it():
     """`metric@first-last`: the mean over the steps that log it; `count:metric@...`: how many of them do (a reset
     logs train/ref_reset at its step only)."""
@@ -331,10 +364,39 @@ def test_the_committed_findings_agree_with_their_records():
 def test_every_claim_compares_two_arms_its_finding_runs():
     module = findings()
     for name, claims in module.CLAIMS.items():
-        variants = module.FINDINGS[name]["variants"]
+        if name == "boundary-any":  # evaluates, trains nothing: its rows are one a k
+            variants, metrics, last = {"rl", "warm-start"}, {"passk"}, module.BOUNDARY_K
+        else:
+            variants, metrics, last = module.FINDINGS[name]["variants"], module.KEPT, module.FINDINGS[name]["steps"]
         for claim in claims:
             assert claim.higher in variants and claim.lower in variants and claim.higher != claim.lower, (name, claim)
-            assert claim.metric in module.KEPT and 0 < claim.first <= claim.last <= module.FINDINGS[name]["steps"]
+            assert claim.metric in metrics and 0 < claim.first <= claim.last <= last
+
+
+@pytest.mark.slow  # two evaluations by eval.py
+def test_the_boundary_finding_keeps_pass_at_k_of_each_seed_s_draw_by_k(tmp_path):
+    module = findings()
+    for seed in (3, 4):  # a trained run's last checkpoint: the warm start itself stands in for it
+        shutil.copytree(os.path.join(ROOT, module.tiny.ANY_CKPT), tmp_path / "dynsamp-any" / f"on_s{seed}" / "step_000007")
+    records = tmp_path / "records"
+    module.main(["boundary-any", "--seeds", "3,4", "--root", str(tmp_path), "--passk-samples", "4",
+                 "--passk-problems", "6", "--record", "--records", str(records)])
+    runs = module.read_records("boundary-any", str(records))
+    assert list(runs) == ["rl", "warm-start"] and all(len(per_seed) == 2 for per_seed in runs.values())
+    for seed, rl, warm in zip((3, 4), runs["rl"], runs["warm-start"]):
+        with open(tmp_path / "boundary-any" / f"rl_s{seed}.pass4x6.json") as f:
+            report = json.load(f)
+        assert report["args"]["seed"] == seed and report["model"].endswith(f"on_s{seed}/step_000007")
+        counts = [sum(p["correct"]) for p in report["per_problem"]]
+        assert len(counts) == 6 and [r["step"] for r in rl] == [1, 2, 3, 4]
+        assert rl[0]["passk"] == pytest.approx(sum(counts) / 24)  # pass@1: the share of right samples
+        assert rl[3]["passk"] == pytest.approx(sum(c > 0 for c in counts) / 6)  # pass@4 of 4: any right
+        assert rl[1]["passk"] == pytest.approx(sum(1 - (4 - c) * (3 - c) / 12 for c in counts) / 6)  # 1 - C(4-c,2)/C(4,2)
+        with open(tmp_path / "boundary-any" / f"warm-start_s{seed}.pass4x6.json") as f:
+            assert json.load(f)["model"] == module.tiny.ANY_CKPT
+        assert warm == rl  # the same weights on the same seed's draw sample the same
+    with pytest.raises(SystemExit, match="dynsamp-any --only on --seeds 5"):
+        module.main(["boundary-any", "--seeds", "5", "--root", str(tmp_path)])
 
 
 @pytest.mark.slow  # the cleaning samples two warm starts, then two 1-step runs
