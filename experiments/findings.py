@@ -57,6 +57,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -129,13 +130,15 @@ FINDINGS = {
 VERDICT_RULE = ("reproduced: the arms differ in the paper's direction and their bands (lowest to highest seed) over "
                 "at least 5 seeds do not overlap; in part: the means go the paper's way, but the bands overlap or there "
                 "are fewer seeds; not reproduced: the means go the other way (3 seeds separate two equal arms about 1 "
-                "time in 10, 5 seeds about 1 in 125)")
+                "time in 10, 5 seeds about 1 in 125); not testable here: every seed of both arms at one value (a "
+                "ceiling), or a reason in a line")
 MIN_SEEDS = 5
 RECORDS = os.path.join(ROOT, "experiments", "records")  # FINDING/VARIANT_sSEED.jsonl.gz: the runs behind the table
 KEPT = ("step", "eval/accuracy", "reward/mean", "entropy/mean", "mpt/masked_frac", "entropy/cov", "entropy/cov_masked",
         "response/mean_len", "staleness/token_mean", "staleness/last_segment_mean", "clip/low_frac", "clip/high_frac", "loss/kl", "train/ref_reset",
         "tokens/generated", "rollout/rounds", "dynamic/dropped_groups")
 DOC = os.path.join(ROOT, "docs", "findings.md")
+PREPARED = "prepared.json"  # what a finding's `prepare` counted in its data, beside its runs and in its records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +281,8 @@ def verdict(higher: list[float], lower: list[float]) -> tuple[str, str]:
     """VERDICT_RULE on the seeds' values of the arm the paper says is higher and of the other: (verdict, reason)."""
     mean_h, mean_l = sum(higher) / len(higher), sum(lower) / len(lower)
     seeds = min(len(higher), len(lower))
+    if len(set(higher + lower)) == 1:  # every seed of both arms the same value: a ceiling or a floor
+        return "not testable here", f"every seed of both arms at {higher[0]:.3f}: nothing can differ"
     if mean_h <= mean_l:
         if max(higher) >= min(lower):
             return "not reproduced", "no difference: the bands overlap (the means the other way)"
@@ -301,7 +306,9 @@ def verdict_rows(name: str, runs: dict) -> list[str]:
     for claim in CLAIMS[name]:
         values = claim_values(runs, claim)
         word, why = verdict(values[claim.higher], values[claim.lower])
-        window = f"step {claim.last}" if claim.first == claim.last else f"steps {claim.first}-{claim.last}"
+        span = str(claim.last) if claim.first == claim.last else f"{claim.first}-{claim.last}"
+        window = (f"k = {span}" if claim.metric == "passk"  # pass@k's records: one row a k
+                  else f"step {span}" if claim.first == claim.last else f"steps {span}")
         rows.append(f"| {name} | {claim.text} | {claim.metric}, {window}, {len(values[claim.higher])} seeds | "
                     f"{claim.higher} {band(values[claim.higher])} vs {claim.lower} {band(values[claim.lower])} | "
                     f"**{word}**: {why} |")
@@ -309,9 +316,12 @@ def verdict_rows(name: str, runs: dict) -> list[str]:
 
 
 def write_records(name: str, runs_dir: str, variants: list[str], seeds: list[int], records: str = RECORDS) -> None:
-    """Each run's metrics.jsonl, only the KEPT keys, gzipped into records/NAME/VARIANT_sSEED.jsonl.gz (a few KB)."""
+    """Each run's metrics.jsonl, only the KEPT keys, gzipped into records/NAME/VARIANT_sSEED.jsonl.gz (a few KB),
+    and what a finding's `prepare` counted (PREPARED), where it did."""
     save_records(name, {v: [[{k: r[k] for k in KEPT if k in r} for r in plot.read_metrics(os.path.join(runs_dir, f"{v}_s{seed}"))]
                             for seed in seeds] for v in variants}, seeds, records)
+    if os.path.exists(os.path.join(runs_dir, PREPARED)):
+        shutil.copyfile(os.path.join(runs_dir, PREPARED), os.path.join(records, name, PREPARED))
 
 
 def save_records(name: str, runs: dict[str, list[list[dict]]], seeds: list[int], records: str = RECORDS) -> None:
@@ -361,8 +371,8 @@ def table_rows(runs: dict, columns: list[str]) -> list[str]:
 
 
 # A benchmark's table: this line above its header; NAME.json under the records is the bench's last JSON line; each
-# column a dotted key of it to a list (row i: item i) and a format (`step_s:.2f`; a trailing `x` prints a ratio as
-# 1.22x; `reward+-reward_sem:.3f` two keys as mean +- error)
+# column a dotted key of it to a list (row i: item i; `rows.mismatch`: that field of each item of a list) and a
+# format (`step_s:.2f`; a trailing `x` prints a ratio as 1.22x; `reward+-reward_sem:.3f` two keys as mean +- error)
 BENCH_TABLE = re.compile(r"^[ \t]*<!-- findings\.py bench ([\w./-]+): (.+?) -->$", re.MULTILINE)
 
 
@@ -370,6 +380,14 @@ BENCH_TABLE = re.compile(r"^[ \t]*<!-- findings\.py bench ([\w./-]+): (.+?) -->$
 # (`{speedup[2]:.2f}x`: str.format on the record) and the rendered text must stand in the lines after the marker,
 # up to the first blank line after them, wherever its lines break (several markers may stand above one table)
 QUOTE = re.compile(r"^[ \t]*<!-- findings\.py quote ([\w./-]+): (.+?) -->$", re.MULTILINE)
+
+
+class NumberKeys(dict):
+    """A JSON object whose digit keys a str.format field may give as a number (`{by_replicas[8]}`)."""
+    def __missing__(self, key):
+        if isinstance(key, int):
+            return self[str(key)]
+        raise KeyError(key)
 
 
 def check_quotes(text: str, records: str) -> list[str]:
@@ -381,7 +399,7 @@ def check_quotes(text: str, records: str) -> list[str]:
             problems.append(f"quote of {marker[1]}: no record {path}")
             continue
         with open(path) as f:
-            quoted = marker[2].format_map(json.load(f))
+            quoted = marker[2].format_map(json.load(f, object_hook=NumberKeys))
         block = text[marker.end():].lstrip("\n").split("\n\n")[0]
         if " ".join(quoted.split()) not in " ".join(block.split()):  # wherever the lines break
             problems.append(f"quote of {marker[1]}: {quoted!r} is not in the text under its marker")
@@ -389,8 +407,9 @@ def check_quotes(text: str, records: str) -> list[str]:
 
 
 def bench_value(record: dict, key: str, row: int):
+    """record[a][b][row] for the key "a.b"; a list on the way is read item by item (rows.mismatch: each row's)."""
     for part in key.split("."):
-        record = record[part]
+        record = [item[part] for item in record] if isinstance(record, list) else record[part]
     return record[row]
 
 
@@ -498,26 +517,32 @@ def train(run_dir: str, flags: list[str], steps: int) -> None:
 def noisy_data(folder: str) -> None:
     """noisy-any's datasets in `folder`, unless there: true.jsonl (NOISY_ROWS training problems), noisy.jsonl (the
     same, a NOISE share of the answers one off, up or down at random) and cleaned.jsonl (noisy.jsonl after clean.py's
-    majority check, its report beside it); prints how many noisy and true rows the cleaning dropped."""
-    if os.path.exists(os.path.join(folder, "cleaned.jsonl")):
+    majority check, its report beside it); then how many noisy and true rows the cleaning dropped, printed and
+    written to prepared.json (--record keeps it)."""
+    if not os.path.exists(os.path.join(folder, "cleaned.jsonl")):
+        rng = random.Random(NOISY_SEED)
+        rows = tiny.make_rows(NOISY_ROWS, NOISY_SEED)
+        noisy = [dict(r, answer=str(int(r["answer"]) + rng.choice((-1, 1)))) if rng.random() < NOISE else r
+                 for r in rows]
+        for arm, arm_rows in (("true", rows), ("noisy", noisy)):
+            with open(os.path.join(folder, f"{arm}.jsonl"), "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in arm_rows)
+        cmd = [sys.executable, "clean.py", os.path.join(folder, "noisy.jsonl"), os.path.join(folder, "cleaned.jsonl"),
+               "--default-verifier", "tiny", "--majority-models", f"{tiny.CKPT},{tiny.ANY_CKPT}", "--temperature", "0",
+               "--max-tokens", "64", "--engine", "hf"]
+        subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if os.path.exists(os.path.join(folder, PREPARED)):
         return
-    rng = random.Random(NOISY_SEED)
-    rows = tiny.make_rows(NOISY_ROWS, NOISY_SEED)
-    noisy = [dict(r, answer=str(int(r["answer"]) + rng.choice((-1, 1)))) if rng.random() < NOISE else r for r in rows]
-    for arm, arm_rows in (("true", rows), ("noisy", noisy)):
-        with open(os.path.join(folder, f"{arm}.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in arm_rows)
-    cmd = [sys.executable, "clean.py", os.path.join(folder, "noisy.jsonl"), os.path.join(folder, "cleaned.jsonl"),
-           "--default-verifier", "tiny", "--majority-models", f"{tiny.CKPT},{tiny.ANY_CKPT}", "--temperature", "0",
-           "--max-tokens", "64", "--engine", "hf"]
-    subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    rows, noisy = ([json.loads(line) for line in open(os.path.join(folder, f"{arm}.jsonl"))] for arm in ("true", "noisy"))
     with open(os.path.join(folder, "cleaned.report.json")) as f:  # each dropped row "where": path:LINE, from 1
         dropped = {int(d["where"].rpartition(":")[2]) - 1 for d in json.load(f)["dropped_rows"]}
     wrong = [r["answer"] != t["answer"] for r, t in zip(noisy, rows)]
-    gone = [i in dropped for i in range(len(rows))]
-    print(f"noisy-any data: {sum(wrong)} of {len(rows)} labels wrong; the cleaning dropped "
-          f"{sum(w and g for w, g in zip(wrong, gone))} of them and {sum(g and not w for w, g in zip(wrong, gone))} "
-          f"right ones", flush=True)
+    counts = {"rows": len(rows), "wrong": sum(wrong), "dropped": len(dropped),
+              "dropped_wrong": sum(wrong[i] for i in dropped), "dropped_right": sum(not wrong[i] for i in dropped)}
+    with open(os.path.join(folder, PREPARED), "w") as f:
+        json.dump(counts, f, indent=1)
+    print(f"noisy-any data: {counts['wrong']} of {counts['rows']} labels wrong; the cleaning dropped "
+          f"{counts['dropped_wrong']} of them and {counts['dropped_right']} right ones", flush=True)
 
 
 def run_all(name: str, spec: dict, seeds: list[int], root: str, extra: list[str], jobs: int) -> dict:
@@ -906,8 +931,7 @@ def finding_boundary_any(root: str, seeds: list[int], k: int, n: int, figure: st
                                                             [min(rs[i]["passk"] for rs in per_seed) for i in range(k)],
                                                             [max(rs[i]["passk"] for rs in per_seed) for i in range(k)])
                                                       for arm, per_seed in runs.items()}}],
-                      figure, f"Warm start against RL ({BOUNDARY_RUNS}'s last checkpoints): mean over seeds, "
-                              f"band = lowest to highest seed")
+                      figure, "Warm start against RL: mean, band = seeds' range")
     return runs
 
 

@@ -214,7 +214,7 @@ def test_variants_are_name_equals_flags():
 
 def test_the_verdict_rule_on_both_sides_of_each_threshold():
     """Reproduced only with the paper's direction, bands apart and 5 seeds; one seed fewer, or bands touching, is
-    'in part'; the reverse is 'not reproduced'."""
+    'in part'; the reverse is 'not reproduced'; both arms at one value on every seed (a ceiling), 'not testable'."""
     verdict = findings().verdict
     high, low = [0.50, 0.52, 0.55, 0.53, 0.51], [0.40, 0.42, 0.45, 0.43, 0.41]
     assert verdict(high, low)[0] == "reproduced"
@@ -225,6 +225,8 @@ def test_the_verdict_rule_on_both_sides_of_each_threshold():
     assert verdict([*low[:4], 0.50], high) == ("not reproduced", "no difference: the bands overlap (the means the "
                                                                  "other way)")
     assert verdict(high, high)[0] == "not reproduced"
+    assert verdict([1.0] * 5, [1.0] * 5) == ("not testable here", "every seed of both arms at 1.000: nothing can differ")
+    assert verdict([1.0] * 5, [1.0] * 4 + [0.999])[0] == "in part"  # one seed off the ceiling: a direction
 
 
 def recorded(tmp_path, module, shift: float = 0.0):
@@ -302,14 +304,16 @@ def test_check_recomputes_a_bench_table_and_quoted_numbers_from_the_bench_s_reco
     (records / "bench").mkdir(parents=True)
     (records / "bench" / "seg.json").write_text(json.dumps({
         "segments": ["1", "4"], "speedup": [1.0, 1.397], "prefill": [3819, 15424], "reward": [0.7771, 0.772],
-        "reward_sem": [0.0126, 0.01], "results": {"hf 1x2": {"step_ms": [4.0714, 7.1158]}}}))
-    rows = ["| 1 | 1.00x | 3,819 | 0.777 +- 0.013 | 4.1 |",  # by hand: 1.397 -> 1.40x, 0.0126 -> 0.013
-            "| 4 | 1.40x | 15,424 | 0.772 +- 0.010 | 7.1 |"]
+        "reward_sem": [0.0126, 0.01], "results": {"hf 1x2": {"step_ms": [4.0714, 7.1158]}},
+        "rows": [{"m": 0.0031}, {"m": 0.04947}], "by": {"8": {"s": 1.442}}}))
+    rows = ["| 1 | 1.00x | 3,819 | 0.777 +- 0.013 | 4.1 | 0.31% |",  # by hand: 1.397 -> 1.40x, 0.0126 -> 0.013
+            "| 4 | 1.40x | 15,424 | 0.772 +- 0.010 | 7.1 | 4.95% |"]
     text = ('<!-- findings.py bench bench/seg: segments speedup:.2fx prefill:, reward+-reward_sem:.3f '
-            '"results.hf 1x2.step_ms:.1f" -->\n\n| segments | speedup | prefill | reward | ms |\n|---|---|---|---|---|\n'
-            + "\n".join(rows) + "\n\nWith 4 segments:\n"
+            '"results.hf 1x2.step_ms:.1f" rows.m:.2% -->\n\n| segments | speedup | prefill | reward | ms | m |\n'
+            "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\nWith 4 segments:\n"
             '<!-- findings.py quote bench/seg: {speedup[1]:.2f}x faster, {results[hf 1x2][step_ms][1]:.1f} ms -->\n'
-            "1.40x faster, 7.1 ms a step.\n\nNext.\n")
+            '<!-- findings.py quote bench/seg: {by[8][s]:.2f}x on 8, {rows[1][m]:.1%} -->\n'
+            "1.40x faster,\n7.1 ms a step; 1.44x on 8, 4.9% of them.\n\nNext.\n")  # a quote may break lines
     doc.write_text(text)
     assert module.check(str(records), str(doc)) == []
     doc.write_text(text.replace("| 1.40x |", "| 1.39x |"))
@@ -322,7 +326,7 @@ def test_check_recomputes_a_bench_table_and_quoted_numbers_from_the_bench_s_reco
     assert len(module.check(str(records), str(doc))) == 1
     doc.write_text(text.replace("bench/seg:", "bench/other:"))
     assert sorted(module.check(str(records), str(doc))) == [
-        f"quote of bench/other: no record {records / 'bench' / 'other.json'}",
+        *[f"quote of bench/other: no record {records / 'bench' / 'other.json'}"] * 2,
         f"table of bench/other: no records in {records}"]
 
 
@@ -422,6 +426,9 @@ def test_the_noisy_finding_makes_its_data_then_trains_each_arm_on_its_own(tmp_pa
     assert cleaned == [r for i, r in enumerate(noisy) if i not in dropped]
     # greedy warm starts rarely slip: their majority catches most wrong labels and drops no right one here
     assert sum(wrong[i] for i in dropped) >= 0.6 * sum(wrong) and all(wrong[i] for i in dropped)
+    with open(folder / module.PREPARED) as f:  # what --record keeps of the cleaning
+        assert json.load(f) == {"rows": 120, "wrong": sum(wrong), "dropped": len(dropped),
+                                "dropped_wrong": sum(wrong[i] for i in dropped), "dropped_right": 0}
     assert set(runs) == {"noisy", "cleaned"}
     for arm in runs:
         assert [r["step"] for r in runs[arm][0]] == [0, 1]
