@@ -884,7 +884,7 @@ def passk_numbers(reports: dict[str, list[dict]], k: int, n: int) -> tuple[dict,
         lines[name] = (ks, mean, [min(c[i] for c in per_seed) for i in range(k)], [max(c[i] for c in per_seed) for i in range(k)])
         passk[name] = {str(kk): spread([c[kk - 1] for c in per_seed]) for kk in eval_lib.ks_up_to(k)}
     print(f"\npass@k on {n} held-out problems, {k} samples each (T 1, 64-token cap):")
-    print(f"{'model':>12} | " + " | ".join(f"{'pass@' + kk:>15}" for kk in passk["warm start"]))
+    print(f"{'model':>12} | " + " | ".join(f"{'pass@' + kk:>15}" for kk in next(iter(passk.values()))))
     for name, row in passk.items():
         print(f"{name:>12} | " + " | ".join(f"{fmt(s):>15}" for s in row.values()))
     return lines, passk
@@ -920,19 +920,16 @@ def finding_boundary_any(root: str, seeds: list[int], k: int, n: int, figure: st
     jobs = [(arm, s, model) for s, d in zip(seeds, dirs) for arm, model in
             (("rl", final_checkpoint(d)), ("warm-start", tiny.ANY_CKPT))]
     with ThreadPoolExecutor(2) as pool:
-        reports = list(pool.map(lambda j: evaluate_at(j[2], os.path.join(folder, f"{j[0]}_s{j[1]}.pass{k}x{n}.json"),
-                                                      64, k, n, seed=j[1]), jobs))
-    runs = {"rl": [], "warm-start": []}
-    for (arm, _, _), report in zip(jobs, reports):
-        runs[arm].append([{"step": kk, "passk": p} for kk, p in enumerate(pass_curve(report), 1)])
-    ks = list(range(1, k + 1))
+        done = list(pool.map(lambda j: evaluate_at(j[2], os.path.join(folder, f"{j[0]}_s{j[1]}.pass{k}x{n}.json"),
+                                                   64, k, n, seed=j[1]), jobs))
+    reports = {"rl": [], "warm-start": []}
+    for (arm, _, _), report in zip(jobs, done):
+        reports[arm].append(report)
+    lines, _ = passk_numbers(reports, k, n)
     plot.panel_figure([{"title": f"pass@k, {n} held-out problems, {k} samples each", "xlabel": "k", "logx": True,
-                        "ylabel": "pass@k", "lines": {arm: (ks, [sum(rs[i]["passk"] for rs in per_seed) / len(per_seed) for i in range(k)],
-                                                            [min(rs[i]["passk"] for rs in per_seed) for i in range(k)],
-                                                            [max(rs[i]["passk"] for rs in per_seed) for i in range(k)])
-                                                      for arm, per_seed in runs.items()}}],
-                      figure, "Warm start against RL: mean, band = seeds' range")
-    return runs
+                        "ylabel": "pass@k", "lines": lines}], figure, "Warm start against RL: mean, band = seeds' range")
+    return {arm: [[{"step": kk, "passk": p} for kk, p in enumerate(pass_curve(r), 1)] for r in reps]
+            for arm, reps in reports.items()}
 
 
 def finding_boundary(runs: dict, steps: int, figure: str, root: str, seeds: list[int], k: int, n: int) -> dict:
@@ -1122,9 +1119,6 @@ def main(argv=None) -> dict:
         if extra:
             p.error(f"boundary-any trains nothing: unknown arguments {' '.join(extra)}")
         runs = finding_boundary_any(root, seeds, args.passk_samples, args.passk_problems, figure)
-        for arm, per_seed in runs.items():
-            print(f"{arm:>10} | " + " | ".join(f"pass@{kk} {band([rs[kk - 1]['passk'] for rs in per_seed])}"
-                                                for kk in eval_lib.ks_up_to(args.passk_samples)))
         print("\n" + "\n".join(verdict_rows(name, runs)))
         if args.record:
             save_records(name, runs, seeds, args.records)
