@@ -1,21 +1,8 @@
-"""The papers' findings, reproduced at small scale on the built-in tiny task: each subcommand trains its
-variants with fixed seeds (one `train.py` process per run, variants interleaved within each seed), writes
-every run's metrics.jsonl under --root, draws one figure with the variants side by side, and prints a table
-and one JSON line with the numbers docs/findings.md quotes.
-
-    python experiments/findings.py dmmpt      # DMMPTs off / static / dynamic, sigma inside the task's range
-    python experiments/findings.py mastered   # DMMPTs against the response length (tiny:4 / 8 / 12) and tau
-    python experiments/findings.py sigma      # dynamic DMMPTs against sigma (tiny:8, tau 0.9): where the entropy settles
-    python experiments/findings.py is         # TOIS (1 segment) / SAIS (4) / POIS (4): entropy, accuracy, clipping
-    python experiments/findings.py staleness  # TOIS / SAIS / POIS against how stale the trained tokens are
-    python experiments/findings.py length     # held-out accuracy against --max-response-len 16 / 32 / 48 / 64
-    python experiments/findings.py boundary   # ProRL: pass@1..64 before and after RL; KL + resets, prolonged
-    python experiments/findings.py prolonged  # no KL / KL / KL + resets against the learning rate (3e-4 .. 1e-3)
-    python experiments/findings.py passk --models dmmpt/off   # pass@1..64 of the warm start and of finished
-                                              # runs' last checkpoints (here the dmmpt finding's "off" runs)
-
-On the any-order task (tiny.py: many right responses, so that entropy and error come apart), each comparison's
-metric, steps and expected direction fixed in CLAIMS before it runs, 5 seeds:
+"""The papers' findings, reproduced at small scale on the built-in any-order task (tiny.py: many right responses,
+so that entropy and error come apart): each subcommand trains its variants with fixed seeds (one `train.py` process
+per run, variants interleaved within each seed), writes every run's metrics.jsonl under --root, draws one figure
+with the variants side by side, and prints a table and one JSON line with the numbers docs/findings.md quotes.
+Each comparison's metric, steps and expected direction is fixed in CLAIMS before it runs, over 5 seeds:
 
     python experiments/findings.py dmmpt-any --seeds 0,1,2,3,4 --jobs 2 --record   # DMMPTs off / static / dynamic
     python experiments/findings.py sigma-any --seeds 0,1,2,3,4 --jobs 2 --record   # dynamic at sigma 0.1 / 0.3
@@ -77,54 +64,8 @@ from systems import outdir  # noqa: E402
 # in docs/findings.md ran), where the tiny default decays it.
 STEPS = 150
 PAPER_LR = ["--lr-final", "1"]
-SIGMA = 0.08  # the warm start's mean token entropy is ~0.11 and falls to ~0.04 under RL: the paper's 0.2 is never reached
-STALENESS_SEGMENTS = (1, 4, 8, 16)  # the staleness finding's doses
-BETA, RESET_EVERY = 0.1, 50  # KL coefficient and reset period of the prolonged runs (why these: docs/findings.md)
-PROLONGED_LRS = ("3e-4", "6e-4", "1e-3")  # the prolonged finding's doses: how far one step moves the policy
-# the mastered-token finding's doses: tiny:K, every problem K terms, responses of ~17 / 37 / 57 tokens, most of
-# them copied terms and separators the warm start already gets right; sigma is 2/3 of the warm start's entropy
-# at each K (0.117 / 0.137 / 0.19 over its first 5 steps), as SIGMA is of the tiny default's
-MASTERED_SIGMA = {4: 0.08, 8: 0.09, 12: 0.13}
-MASTERED_TAUS = ("0.99", "0.9")  # the paper's tau, set for a 30B model, and one a 0.8M model's tokens reach more often
-# the sigma finding's doses at tiny:8 and tau 0.9, where static masking holds the entropy near the warm start's
-# 0.14 and "off" falls to ~0.07 in 100 steps: sigma below, inside and at the top of that range
-SIGMA_DOSES = ("0.06", "0.09", "0.12")
-PRORL_ARMS = {"no-kl": [], "kl": ["--kl-coef", str(BETA)],
-              "kl+reset": ["--kl-coef", str(BETA), "--ref-reset-every", str(RESET_EVERY)]}
 PRORL_COMMON = [*PAPER_LR, "--mpt", "off", "--eps-high", "0.4"]  # ProRL where it differs from the tiny default
-FINDINGS = {
-    "dmmpt": dict(steps=STEPS, common=[*PAPER_LR, "--mpt-sigma", str(SIGMA)], variants={
-        "off": ["--mpt", "off"], "static": ["--mpt", "static"], "dynamic": ["--mpt", "dynamic"]}),
-    "is": dict(steps=STEPS, common=PAPER_LR, variants={
-        "tois-1seg": ["--is-mode", "tois", "--segments", "1"], "sais-4seg": ["--is-mode", "sais", "--segments", "4"],
-        "pois-4seg": ["--is-mode", "pois", "--segments", "4"]}),
-    # segments of 16 tokens, as UloRL keeps 16k segments and adds more of them for longer outputs
-    "length": dict(steps=STEPS, common=PAPER_LR, variants={
-        f"len{n}": ["--max-response-len", str(n), "--segments", str(n // 16)] for n in (16, 32, 48, 64)}),
-    # the IS modes against how stale the trained tokens are: 4 groups a step out of 16 in flight, so finished groups
-    # wait in the ready queue and unfinished samples carry over, and more segments leave more of a sample to older
-    # weights (TOIS: one segment, no surplus kept, so nothing is stale)
-    "staleness": dict(steps=STEPS, common=[*PAPER_LR, "--train-groups", "4"], variants={
-        "tois-1seg": ["--is-mode", "tois", "--segments", "1"],
-        **{f"{mode}-{n}seg": ["--is-mode", mode, "--segments", str(n)] for mode in ("sais", "pois")
-           for n in STALENESS_SEGMENTS}}),
-    # DMMPTs against the response length and tau: no masking, static and dynamic at each K and tau
-    "mastered": dict(steps=100, common=[*PAPER_LR, "--eval-every", "25", "--eval-n", "256"], variants={
-        f"k{k}_{arm}": ["--data", f"tiny:{k}", "--eval-data", f"tiny:{k}", "--mpt-sigma", str(sigma), *flags]
-        for k, sigma in MASTERED_SIGMA.items() for arm, flags in
-        [("off", ["--mpt", "off"])] + [(f"{mode}_tau{tau}", ["--mpt", mode, "--mpt-tau", tau])
-                                       for mode in ("static", "dynamic") for tau in MASTERED_TAUS]}),
-    # dynamic DMMPTs against sigma at one length and tau, beside no masking and static masking
-    "sigma": dict(steps=STEPS, common=[*PAPER_LR, "--eval-every", "25", "--eval-n", "256", "--data", "tiny:8",
-                                       "--eval-data", "tiny:8", "--mpt-tau", "0.9"], variants={
-        "off": ["--mpt", "off"], "static": ["--mpt", "static"],
-        **{f"dynamic_sigma{s}": ["--mpt", "dynamic", "--mpt-sigma", s] for s in SIGMA_DOSES}}),
-    # ProRL's recipe where it differs from the tiny default: no DMMPTs, decoupled clip 0.2 / 0.4
-    "boundary": dict(steps=200, common=PRORL_COMMON, variants=PRORL_ARMS),
-    # the same three arms at larger learning rates, where a run without the anchor stops improving
-    "prolonged": dict(steps=200, common=PRORL_COMMON, variants={
-        f"{arm}_lr{lr}": [*flags, "--lr", lr] for lr in PROLONGED_LRS for arm, flags in PRORL_ARMS.items()}),
-}
+FINDINGS: dict[str, dict] = {}  # the findings below, each added where its claims' reasons are given
 
 
 VERDICT_RULE = ("reproduced: the arms differ in the paper's direction and their bands (lowest to highest seed) over "
@@ -648,7 +589,7 @@ def print_table(numbers: dict, keys: list[str]) -> None:
 
 def finding_dmmpt(runs: dict, steps: int, figure: str) -> dict:
     numbers = common_numbers(runs, steps)
-    sigma = next(iter(runs.values()))[0][0].get("config", {}).get("mpt_sigma", SIGMA)  # the runs' own
+    sigma = next(iter(runs.values()))[0][0].get("config", {}).get("mpt_sigma", SIGMA_ANY)  # the runs' own
     print_table(numbers, ["eval_first", "eval_last", "entropy_first10", "entropy_last20", "masked_frac", "cov",
                           "cov_masked"])
     plot.panel_figure([
@@ -665,52 +606,6 @@ def finding_dmmpt(runs: dict, steps: int, figure: str) -> dict:
     ], figure, "DMMPTs off / static / dynamic: mean over seeds, band = lowest to highest seed")
     return numbers
 
-
-def finding_mastered(runs: dict, steps: int, figure: str) -> dict:
-    """DMMPTs against the response length (tiny:K) and tau: how the entropy moves from the first 10 steps to
-    the last 20 under each arm, how many tokens the mask takes, and how much of the covariance of log-prob and
-    advantage (the entropy-lowering push) it takes with them, each against the mean response length."""
-    numbers = common_numbers(runs, steps)
-    late = max(1, steps - 19)
-    for v, seeds in runs.items():
-        n = numbers[v]
-        n["entropy_change"] = spread([b - a for a, b in zip(n["entropy_first10"]["seeds"], n["entropy_last20"]["seeds"])])
-        n["push_removed"] = spread([m / c for m, c in zip(n["cov_masked"]["seeds"], n["cov"]["seeds"])])
-        n["response_len"] = spread([window_mean(rs, "response/mean_len", 1, steps) for rs in seeds])
-        n["masked_frac_late"] = spread([window_mean(rs, "mpt/masked_frac", late, steps) for rs in seeds])
-    print_table(numbers, ["response_len", "eval_first", "eval_last", "entropy_first10", "entropy_last20",
-                          "entropy_change", "masked_frac", "push_removed"])
-    arms = list(dict.fromkeys(v.split("_", 1)[1] for v in runs))  # off, static_tau0.99, ...
-    ks = sorted({int(v.split("_", 1)[0][1:]) for v in runs})
-
-    def dose(key: str, arm_list: list[str]) -> dict:
-        """One line per arm: `key` against the arm's mean response length at each K."""
-        lines = {}
-        for arm in arm_list:
-            vs = [f"k{k}_{arm}" for k in ks if f"k{k}_{arm}" in runs]
-            if vs:
-                lines[arm] = ([numbers[v]["response_len"]["mean"] for v in vs], [numbers[v][key]["mean"] for v in vs],
-                              [min(numbers[v][key]["seeds"]) for v in vs], [max(numbers[v][key]["seeds"]) for v in vs])
-        return lines
-
-    masking = [a for a in arms if a != "off"]
-    top = ks[-1]
-    at_top = {v.split("_", 1)[1]: seeds for v, seeds in runs.items() if v.startswith(f"k{top}_")}
-    sigma = MASTERED_SIGMA.get(top)
-    xlabel = "mean response tokens (tiny:K)"
-    plot.panel_figure([
-        {"title": f"entropy change, steps 1-10 -> {late}-{steps}", "xlabel": xlabel, "style": "o-",
-         "lines": dose("entropy_change", arms), "hlines": {"no change": 0.0}},
-        {"title": "share of Cov(log-prob, advantage) on masked tokens", "xlabel": xlabel, "style": "o-",
-         "lines": dose("push_removed", masking)},
-        {"title": "tokens masked (all steps)", "xlabel": xlabel, "style": "o-", "lines": dose("masked_frac", masking)},
-        {"title": f"held-out accuracy, step {steps}", "xlabel": xlabel, "style": "o-", "lines": dose("eval_last", arms)},
-        {"title": f"mean token entropy, tiny:{top} (trailing mean of 5)", "xlabel": "step",
-         "lines": curves(at_top, "entropy/mean", 5), "hlines": {f"sigma {sigma}": sigma} if sigma else {}},
-        {"title": f"Cov(log-prob, advantage), tiny:{top} (trailing mean of 5)", "xlabel": "step",
-         "lines": curves(at_top, "entropy/cov", 5)},
-    ], figure, "DMMPTs against the response length and tau: mean over seeds, band = lowest to highest seed")
-    return numbers
 
 
 def finding_sigma(runs: dict, steps: int, figure: str) -> dict:
@@ -774,35 +669,6 @@ def finding_is(runs: dict, steps: int, figure: str, title: str = "pi_old under s
     return numbers
 
 
-def finding_staleness(runs: dict, steps: int, figure: str) -> dict:
-    """Each IS mode's held-out accuracy, clipped fraction and late entropy against the mean staleness of its
-    trained tokens (policy versions behind the weights being updated), one point per dose (segments)."""
-    numbers = common_numbers(runs, steps)
-    for v, seeds in runs.items():
-        numbers[v]["staleness"] = spread([window_mean(rs, "staleness/token_mean", 1, steps) for rs in seeds])
-        numbers[v]["staleness_max"] = spread([max((r.get("staleness/token_max") or 0 for r in rs), default=0)
-                                              for rs in seeds])
-    print_table(numbers, ["staleness", "staleness_max", "eval_last", "clip_frac", "entropy_last20"])
-    panels = []
-    for key, title in (("eval_last", f"held-out accuracy, step {steps}"), ("clip_frac", "clipped token fraction"),
-                       ("entropy_last20", f"mean token entropy, steps {max(1, steps - 19)}-{steps}")):
-        lines = {}
-        for mode in ("tois", "sais", "pois"):
-            points = sorted((numbers[v]["staleness"]["mean"], numbers[v][key]) for v in runs if v.startswith(mode + "-"))
-            if points:
-                lines[mode] = ([x for x, _ in points], [y["mean"] for _, y in points],
-                               [min(y["seeds"]) for _, y in points], [max(y["seeds"]) for _, y in points])
-        panels.append({"title": title, "xlabel": "staleness/token_mean (versions, mean over the run)", "lines": lines,
-                       "style": "o-"})
-    plot.panel_figure(panels, figure, f"IS modes against staleness ({', '.join(map(str, STALENESS_SEGMENTS))} "
-                                      f"segments, 4 groups a step): mean over seeds, band = lowest to highest seed")
-    return numbers
-
-
-def response_tokens(row: dict, tokenizer) -> int:
-    """Tokens of the row's correct step-by-step response, end-of-sequence included."""
-    terms = [int(t) for t in row["prompt"][:-1].split("+")]
-    return len(tokenizer(tiny.teacher_response(terms, random.Random(0))).input_ids) + 1
 
 
 def evaluate_at(model_dir: str, report: str, max_len: int, k: int, n: int, seed: int = 0) -> dict:
@@ -822,40 +688,6 @@ def final_checkpoint(run_dir: str) -> str:
     return os.path.join(run_dir, outdir.list_checkpoints(run_dir)[-1])
 
 
-def finding_length(runs: dict, steps: int, figure: str, root: str, seeds: list[int]) -> dict:
-    numbers = common_numbers(runs, steps)
-    print_table(numbers, ["eval_first", "eval_last", "entropy_last20", "run_s"])
-    tokenizer = tiny.make_tokenizer()
-    held_out = tiny.held_out_rows(512)
-    need = [response_tokens(r, tokenizer) for r in held_out]
-    caps = [int(v[3:]) for v in runs]
-    # every trained model also answers with the full 64-token cap: did training short hurt the long problems?
-    at64 = {v: spread([evaluate_at(final_checkpoint(os.path.join(root, "length", f"{v}_s{s}")),
-                                   os.path.join(root, "length", f"{v}_s{s}.eval64.json"), 64, 4, 512)["avg@k"]
-                       for s in seeds]) for v in runs}
-    warm64 = evaluate_at(tiny.CKPT, os.path.join(root, "length", "warm_start.eval64.json"), 64, 4, 512)["avg@k"]
-    for v, cap in zip(runs, caps):
-        numbers[v]["ceiling"] = sum(x <= cap for x in need) / len(need)  # problems whose correct answer fits
-        numbers[v]["eval64"] = at64[v]
-    numbers["warm_start_eval64"] = warm64
-    print(f"\n{'cap':>5} | {'fits the cap':>12} | {'accuracy at the cap':>19} | {'same model, cap 64':>18}")
-    for v, cap in zip(runs, caps):
-        print(f"{cap:5d} | {numbers[v]['ceiling']:12.3f} | {fmt(numbers[v]['eval_last']):>19} | {fmt(at64[v]):>18}")
-    print(f"warm start, cap 64: {warm64:.3f} (avg@4)")
-    band = lambda key: ([numbers[v][key]["mean"] for v in runs], [min(numbers[v][key]["seeds"]) for v in runs],
-                        [max(numbers[v][key]["seeds"]) for v in runs])
-    last, at = band("eval_last"), band("eval64")
-    plot.panel_figure([
-        {"title": "held-out accuracy after training, by response cap", "xlabel": "--max-response-len (tokens)",
-         "style": "o-", "lines": {"answered within the cap (avg@1)": (caps, *last),
-                                  "answered with 64 tokens (avg@4)": (caps, *at),
-                                  "correct answer fits the cap": (caps, [numbers[v]["ceiling"] for v in runs], None, None)},
-         "hlines": {f"warm start, 64 tokens ({warm64:.3f})": warm64}},
-        {"title": "held-out accuracy during training (at the run's own cap)", "xlabel": "step", "style": "o-",
-         "lines": curves(runs, "eval/accuracy")},
-    ], figure, "Longer outputs: mean over seeds, band = lowest to highest seed")
-    return numbers
-
 
 def pass_curve(report: dict) -> list[float]:
     """pass@k for every k = 1..n from the report's per-problem results (the unbiased estimator)."""
@@ -863,15 +695,6 @@ def pass_curve(report: dict) -> list[float]:
     return [sum(eval_lib.pass_at_k(n, sum(p["correct"]), k) for p in report["per_problem"]) / len(report["per_problem"])
             for k in range(1, n + 1)]
 
-
-def passk_reports(folder: str, run_dirs: dict[str, list[str]], k: int, n: int) -> dict[str, list[dict]]:
-    """eval.py reports (k samples on n held-out problems, cached in `folder`) of the warm start and of the last
-    checkpoint of each run in run_dirs = {label: [run directory of each seed]}."""
-    reports = {"warm start": [evaluate_at(tiny.CKPT, os.path.join(folder, f"warm_start.pass{k}x{n}.json"), 64, k, n)]}
-    for label, dirs in run_dirs.items():
-        reports[label] = [evaluate_at(final_checkpoint(d), os.path.join(folder, f"{os.path.basename(os.path.dirname(d))}_{os.path.basename(d)}.pass{k}x{n}.json"),
-                                      64, k, n) for d in dirs]
-    return reports
 
 
 def passk_numbers(reports: dict[str, list[dict]], k: int, n: int) -> tuple[dict, dict]:
@@ -889,21 +712,6 @@ def passk_numbers(reports: dict[str, list[dict]], k: int, n: int) -> tuple[dict,
         print(f"{name:>12} | " + " | ".join(f"{fmt(s):>15}" for s in row.values()))
     return lines, passk
 
-
-def finding_passk(root: str, models: list[str], figure: str, k: int, n: int) -> dict:
-    """pass@k of the warm start against finished runs (ROOT/FINDING/VARIANT_s*), no training."""
-    run_dirs = {m: sorted(glob.glob(os.path.join(root, m + "_s*[0-9]"))) for m in models}
-    missing = [m for m, dirs in run_dirs.items() if not dirs]
-    if missing:
-        raise SystemExit(f"no finished runs {', '.join(os.path.join(root, m + '_sSEED') for m in missing)}: "
-                         f"run their finding first")
-    folder = os.path.join(root, "passk")
-    os.makedirs(folder, exist_ok=True)
-    lines, passk = passk_numbers(passk_reports(folder, run_dirs, k, n), k, n)
-    plot.panel_figure([{"title": f"pass@k, {n} held-out problems, {k} samples each", "xlabel": "k", "logx": True,
-                        "ylabel": "pass@k", "lines": lines}],
-                      figure, "Warm start vs RL-trained (mean over seeds)")
-    return {"pass@k": passk, "problems": n, "samples": k, "runs": run_dirs}
 
 
 def finding_boundary_any(root: str, seeds: list[int], k: int, n: int, figure: str) -> dict[str, list[list[dict]]]:
@@ -932,34 +740,6 @@ def finding_boundary_any(root: str, seeds: list[int], k: int, n: int, figure: st
             for arm, reps in reports.items()}
 
 
-def finding_boundary(runs: dict, steps: int, figure: str, root: str, seeds: list[int], k: int, n: int) -> dict:
-    numbers = common_numbers(runs, steps)
-    for v, per_seed in runs.items():  # k3 KL to the (current) reference, per token, over the run
-        numbers[v]["kl_mean"] = spread([window_mean(rs, "loss/kl", 1, steps) for rs in per_seed])
-    print_table(numbers, ["eval_first", "eval_last", "entropy_last20", "kl_mean", "run_s"])
-    folder = os.path.join(root, "boundary")
-    reports = passk_reports(folder, {v: [os.path.join(folder, f"{v}_s{s}") for s in seeds] for v in runs}, k, n)
-    lines, passk = passk_numbers(reports, k, n)
-    numbers["pass@k"] = passk
-    numbers["passk_problems"], numbers["passk_samples"] = n, k
-    plot.panel_figure([
-        {"title": f"pass@k, {n} held-out problems, {k} samples each", "xlabel": "k", "logx": True, "lines": lines},
-        {"title": eval_title(runs), "xlabel": "step", "style": "o-", "lines": curves(runs, "eval/accuracy")},
-        {"title": "mean token entropy (trailing mean of 5 steps)", "xlabel": "step", "lines": curves(runs, "entropy/mean", 5)},
-        {"title": "k3 KL to the reference per token (trailing mean of 5)", "xlabel": "step",
-         "lines": curves({v: rs for v, rs in runs.items() if any(r.get("loss/kl") for run in rs for r in run)}, "loss/kl", 5)},
-    ], figure, f"Reasoning boundary and prolonged RL (KL {BETA}, resets every {RESET_EVERY} steps): mean over seeds, "
-               f"band = lowest to highest seed")
-    return numbers
-
-
-def no_signal(records: list[dict]) -> list[dict]:
-    """Per step, the share of sampled groups whose responses all scored the same (all right or all wrong), so
-    they carry no advantage: what dynamic sampling drops, over what it drops and what it trains."""
-    group = records[0]["config"]["group_size"]
-    return [{"step": r["step"], "no_signal": r["dynamic/dropped_groups"] / (r["dynamic/dropped_groups"]
-                                                                         + r["train/samples"] / group)}
-            for r in records if r.get("train/samples")]
 
 
 def prolonged_numbers(runs: dict, steps: int) -> dict:
@@ -973,38 +753,6 @@ def prolonged_numbers(runs: dict, steps: int) -> dict:
         numbers[v]["kl_mean"] = spread([window_mean(rs, "loss/kl", 1, steps) for rs in seeds])
     return numbers
 
-
-def finding_prolonged(runs: dict, steps: int, figure: str) -> dict:
-    """ProRL's three arms against the learning rate: held-out accuracy at the end and its gain over the second
-    half (a stalled run gains nothing), the KL to the reference that anchors the policy, and the entropy."""
-    numbers, half = prolonged_numbers(runs, steps), steps // 2
-    for v, seeds in runs.items():
-        numbers[v]["no_signal_last50"] = spread([window_mean(no_signal(rs), "no_signal", max(1, steps - 49), steps)
-                                                 for rs in seeds])
-    print_table(numbers, ["eval_first", "eval_half", "eval_last", "gain_second_half", "entropy_last20", "kl_mean",
-                          "no_signal_last50"])
-    doses = {arm: [f"{arm}_lr{lr}" for lr in PROLONGED_LRS if f"{arm}_lr{lr}" in runs] for arm in PRORL_ARMS}
-    dose_panels = []
-    for key, title in (("eval_last", f"held-out accuracy, step {steps}"),
-                       ("gain_second_half", f"held-out gain, steps {half} -> {steps}")):
-        lines = {arm: ([float(v.rsplit("_lr", 1)[1]) for v in vs], [numbers[v][key]["mean"] for v in vs],
-                       [min(numbers[v][key]["seeds"]) for v in vs], [max(numbers[v][key]["seeds"]) for v in vs])
-                 for arm, vs in doses.items() if vs}
-        dose_panels.append({"title": title, "xlabel": "learning rate", "logx": True, "style": "o-", "lines": lines})
-    top = next(lr for lr in reversed(PROLONGED_LRS) if any(v.endswith(f"_lr{lr}") for v in runs))  # the largest dose run
-    at_top = {v.rsplit("_lr", 1)[0]: seeds for v, seeds in runs.items() if v.endswith(f"_lr{top}")}
-    plot.panel_figure([
-        *dose_panels,
-        {"title": f"{eval_title(runs)}, lr {top}", "xlabel": "step", "style": "o-", "lines": curves(at_top, "eval/accuracy")},
-        {"title": f"k3 KL to the reference per token, lr {top} (trailing mean of 5)", "xlabel": "step",
-         "lines": curves({v: rs for v, rs in at_top.items() if v != "no-kl"}, "loss/kl", 5)},
-        {"title": f"mean token entropy, lr {top} (trailing mean of 5)", "xlabel": "step",
-         "lines": curves(at_top, "entropy/mean", 5)},
-        {"title": f"groups without signal (all right or all wrong), lr {top} (trailing mean of 10)", "xlabel": "step",
-         "lines": curves({v: [no_signal(rs) for rs in seeds] for v, seeds in at_top.items()}, "no_signal", 10)},
-    ], figure, f"Prolonged RL against the learning rate (KL {BETA}, resets every {RESET_EVERY} steps): mean over "
-               f"seeds, band = lowest to highest seed")
-    return numbers
 
 
 def finding_resets(runs: dict, steps: int, figure: str, beta: float = BETA_ANY) -> dict:
@@ -1070,7 +818,7 @@ def finding_variants(runs: dict, steps: int, figure: str, keys: list[str], name:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("finding", choices=[*FINDINGS, "boundary-any", "passk", "variants", "check"],
+    p.add_argument("finding", choices=[*FINDINGS, "boundary-any", "variants", "check"],
                    help="which finding to reproduce; variants: your own --variant runs; check: docs/findings.md's "
                         "verdict rows against the committed records")
     p.add_argument("--record", action="store_true",
@@ -1082,16 +830,15 @@ def main(argv=None) -> dict:
     p.add_argument("--name", default="variants", help="variants: the study's folder under --root and its title")
     p.add_argument("--keys", default="eval/accuracy,reward/mean,entropy/mean",
                    help="variants: metrics.jsonl keys to draw and tabulate, comma-separated")
-    p.add_argument("--models", default="dmmpt/off", help="passk: comma-separated FINDING/VARIANT runs under --root")
     p.add_argument("--only", default="", metavar="VARIANTS",
-                   help="a finding: only these of its variants, comma-separated (e.g. tois-1seg,pois-16seg)")
+                   help="a finding: only these of its variants, comma-separated (e.g. tois-1seg,pois-8seg)")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds; each variant runs once per seed")
     p.add_argument("--root", default="runs/findings", help="runs go to ROOT/FINDING/VARIANT_sSEED")
     p.add_argument("--figure", default="", help="the figure's path (default: ROOT/FINDING/FINDING.png, beside "
                                                 "the runs)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time, one thread each")
-    p.add_argument("--passk-samples", type=int, default=64, help="boundary, passk: samples per problem for pass@k")
-    p.add_argument("--passk-problems", type=int, default=256, help="boundary, passk: held-out problems for pass@k")
+    p.add_argument("--passk-samples", type=int, default=64, help="boundary-any: samples per problem for pass@k")
+    p.add_argument("--passk-problems", type=int, default=256, help="boundary-any: held-out problems for pass@k")
     args, extra = p.parse_known_args(argv)
     if args.finding == "check":
         if extra:
@@ -1107,14 +854,6 @@ def main(argv=None) -> dict:
     figure = os.path.abspath(args.figure or os.path.join(root, name, f"{name}.png"))
     os.makedirs(os.path.dirname(figure), exist_ok=True)
     t0 = time.time()
-    if args.finding == "passk":
-        if extra:
-            p.error(f"passk trains nothing: unknown arguments {' '.join(extra)}")
-        result = clean({"finding": "passk", **finding_passk(root, args.models.split(","), figure, args.passk_samples,
-                                                            args.passk_problems), "figure": figure,
-                        "wall_s": time.time() - t0})
-        print(json.dumps(result))
-        return result
     if args.finding == "boundary-any":
         if extra:
             p.error(f"boundary-any trains nothing: unknown arguments {' '.join(extra)}")
@@ -1143,20 +882,15 @@ def main(argv=None) -> dict:
     print(f"{name}: variants {list(spec['variants'])} x seeds {seeds} into {root}/{name}", flush=True)
     runs = run_all(name, spec, seeds, root, extra, args.jobs)
     steps = max(r["step"] for r in runs[next(iter(runs))][0])
-    drawn_from_runs = {"dmmpt": finding_dmmpt, "dmmpt-any": finding_dmmpt, "sigma-any": finding_sigma, "is": finding_is,
-                       "is-any": finding_is, "resets-any": finding_resets, "staleness": finding_staleness,
+    drawn_from_runs = {"dmmpt-any": finding_dmmpt, "sigma-any": finding_sigma, "is-any": finding_is,
+                       "resets-any": finding_resets,
                        "resets-dose-any": lambda *a: finding_resets(*a, beta=BETA_DOSE),
                        "dynsamp-any": lambda *a: finding_is(*a, title="dynamic sampling on and off"),
                        "noisy-any": lambda *a: finding_is(*a, title="data cleaning under noisy labels"),
                        "prorl-any": lambda *a: finding_is(*a, title="ProRL's settings (T 1.2, 16 samples, 4 updates a step)"),
-                       "length-any": lambda *a: finding_is(*a, title="a 32- against a 64-token response cap"),
-                       "mastered": finding_mastered, "sigma": finding_sigma, "prolonged": finding_prolonged}
+                       "length-any": lambda *a: finding_is(*a, title="a 32- against a 64-token response cap")}
     if args.finding in drawn_from_runs:
         numbers = drawn_from_runs[args.finding](runs, steps, figure)
-    elif args.finding == "length":
-        numbers = finding_length(runs, steps, figure, root, seeds)
-    elif args.finding == "boundary":
-        numbers = finding_boundary(runs, steps, figure, root, seeds, args.passk_samples, args.passk_problems)
     else:
         numbers = finding_variants(runs, steps, figure, [k for k in args.keys.split(",") if k], name)
     if name in CLAIMS:

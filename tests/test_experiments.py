@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import run, together
+from conftest import run
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,89 +30,48 @@ def findings():
 def test_a_finding_runs_end_to_end_and_reuses_its_runs(tmp_path):
     committed = os.path.join(ROOT, "docs", "findings", "dmmpt-any.png")
     before = os.stat(committed).st_mtime_ns
-    cmd = [sys.executable, "experiments/findings.py", "dmmpt", "--seeds", "0", "--root", str(tmp_path / "runs"),
+    cmd = [sys.executable, "experiments/findings.py", "dmmpt-any", "--seeds", "0", "--root", str(tmp_path / "runs"),
            "--steps", "2", "--eval-n", "16", "--eval-every", "1",
            "--prompts-per-step", "2", "--train-groups", "2", "--dynamic-sampling", "false",
            "--jobs", "2"]  # its 3 variants two at a time (one thread each): the same runs, sooner on 2 cores
     first = run(cmd, cwd=ROOT, timeout=900)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     summary = json.loads(first.stdout.strip().splitlines()[-1])
-    assert summary["finding"] == "dmmpt" and summary["steps"] == 2 and set(summary["numbers"]) == {"off", "static", "dynamic"}
+    assert summary["finding"] == "dmmpt-any" and summary["steps"] == 2
+    assert set(summary["numbers"]) == {"off", "static", "dynamic"}
     assert summary["numbers"]["off"]["masked_frac"]["mean"] == 0 < summary["numbers"]["static"]["masked_frac"]["mean"]
-    figure = tmp_path / "runs" / "dmmpt" / "dmmpt.png"
+    figure = tmp_path / "runs" / "dmmpt-any" / "dmmpt-any.png"
     assert summary["figure"] == str(figure) and open(figure, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.stat(committed).st_mtime_ns == before
     for variant in ("off", "static", "dynamic"):
-        with open(tmp_path / "runs" / "dmmpt" / f"{variant}_s0" / "metrics.jsonl") as f:
-            assert [json.loads(line)["step"] for line in f] == [0, 1, 2]
-    # both only read the finished runs: together
-    again, passk = together(
-        lambda: run(cmd, cwd=ROOT, timeout=300),
-        lambda: run([sys.executable, "experiments/findings.py", "passk", "--models", "dmmpt/off",
-                     "--root", str(tmp_path / "runs"), "--figure", str(tmp_path / "passk.png"),
-                     "--passk-samples", "4", "--passk-problems", "8"], cwd=ROOT, timeout=600))
-    assert again.returncode == 0 and "_s0:" not in again.stdout  # no run trained again
-    assert passk.returncode == 0, passk.stdout[-2000:] + passk.stderr[-3000:]
-    table = json.loads(passk.stdout.strip().splitlines()[-1])["pass@k"]
-    assert set(table) == {"warm start", "dmmpt/off"} and set(table["warm start"]) == {"1", "2", "4"}
-    assert all(0 <= v["mean"] <= 1 for row in table.values() for v in row.values())
-    assert all(row["1"]["mean"] <= row["4"]["mean"] for row in table.values())  # pass@k never falls with k
-
-
-@pytest.mark.slow
-def test_the_staleness_finding_puts_each_is_mode_against_the_staleness_it_trained_on(tmp_path):
-    """The staleness finding at a trivial size, three of its nine runs (--only: TOIS, and SAIS and POIS at the
-    largest dose): a staleness per run read from the runs' own metrics, and one figure."""
-    doses = findings().FINDINGS["staleness"]["variants"]
-    assert set(doses) == {"tois-1seg", *(f"{m}-{n}seg" for m in ("sais", "pois") for n in (1, 4, 8, 16))}
-    cmd = [sys.executable, "experiments/findings.py", "staleness", "--only", "tois-1seg,sais-16seg,pois-16seg",
-           "--seeds", "0", "--root", str(tmp_path), "--steps", "2", "--eval-n", "8", "--eval-every", "2",
-           "--prompts-per-step", "4", "--jobs", "2", "--dynamic-sampling", "false"]
-    p = run(cmd, timeout=900)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    summary = json.loads(p.stdout.strip().splitlines()[-1])
-    numbers = summary["numbers"]
-    assert set(numbers) == {"tois-1seg", "sais-16seg", "pois-16seg"}
-    for variant, row in numbers.items():
-        with open(tmp_path / "staleness" / f"{variant}_s0" / "metrics.jsonl") as f:
+        with open(tmp_path / "runs" / "dmmpt-any" / f"{variant}_s0" / "metrics.jsonl") as f:
             records = [json.loads(line) for line in f]
-        trained = [r for r in records if r["step"] >= 1]
-        assert len(trained) == 2 and records[0]["config"]["train_groups"] == 4
-        assert row["staleness"]["mean"] == pytest.approx(sum(r["staleness/token_mean"] for r in trained) / 2)
-    assert numbers["tois-1seg"]["staleness"]["mean"] == 0  # TOIS trains nothing stale, by construction
-    assert open(tmp_path / "staleness" / "staleness.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+        assert [r["step"] for r in records] == [0, 1, 2] and records[0]["config"]["model"].endswith("tiny_any_ckpt")
+    again = run(cmd, cwd=ROOT, timeout=300)
+    assert again.returncode == 0 and "_s0:" not in again.stdout  # no run trained again
 
 
 @pytest.mark.slow
-def test_the_prolonged_finding_sets_each_arm_against_the_learning_rate(tmp_path):
-    """The prolonged finding at a trivial size, its three arms at two of its three learning rates (--only):
-    each run trains at its own learning rate with its own KL and resets, the gain over the run's second half is
-    read from its own evaluations, and one figure is drawn."""
-    variants = findings().FINDINGS["prolonged"]["variants"]
-    assert set(variants) == {f"{arm}_lr{lr}" for arm in ("no-kl", "kl", "kl+reset") for lr in ("3e-4", "6e-4", "1e-3")}
-    only = "no-kl_lr1e-3,kl_lr1e-3,kl+reset_lr6e-4"
-    cmd = [sys.executable, "experiments/findings.py", "prolonged", "--only", only, "--seeds", "0", "--root",
-           str(tmp_path), "--steps", "4", "--eval-n", "8", "--eval-every", "2", "--prompts-per-step", "2",
-           "--train-groups", "2", "--jobs", "2"]  # dynamic sampling on: it counts the groups without signal
+def test_the_resets_finding_reads_each_arm_s_gain_kl_and_resets_from_its_runs(tmp_path):
+    """resets-dose-any at a trivial size (4 steps, both arms): each run trains with its own KL and reset period, and
+    the gain over the run's second half, the mean KL and the count of resets are read from its own records."""
+    cmd = [sys.executable, "experiments/findings.py", "resets-dose-any", "--seeds", "0", "--root", str(tmp_path),
+           "--steps", "4", "--eval-n", "8", "--eval-every", "2", "--prompts-per-step", "2", "--train-groups", "2",
+           "--jobs", "2"]
     p = run(cmd, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     numbers = json.loads(p.stdout.strip().splitlines()[-1])["numbers"]
-    assert set(numbers) == set(only.split(","))
-    some_dropped = False
+    assert set(numbers) == {"kl0.1", "kl0.1+both"}
     for variant, row in numbers.items():
-        with open(tmp_path / "prolonged" / f"{variant}_s0" / "metrics.jsonl") as f:
+        with open(tmp_path / "resets-dose-any" / f"{variant}_s0" / "metrics.jsonl") as f:
             records = [json.loads(line) for line in f]
         config, evals = records[0]["config"], {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}
-        assert config["lr"] == float(variant.rsplit("_lr", 1)[1]) and config["mpt"] == "off"
-        assert config["kl_coef"] == (0 if variant.startswith("no-kl") else 0.1)
-        assert config["ref_reset_every"] == (50 if variant.startswith("kl+reset") else 0)
+        assert config["kl_coef"] == 0.1 and config["mpt"] == "off" and config["eps_high"] == 0.4
+        assert config["ref_reset_every"] == (50 if variant.endswith("+both") else 0)
         assert row["gain_second_half"]["mean"] == pytest.approx(evals[4] - evals[2])
-        assert (row["kl_mean"]["mean"] > 0) == (config["kl_coef"] > 0)
-        dropped = [r["dynamic/dropped_groups"] for r in records[1:]]  # all-equal groups, beside the 2 trained
-        assert row["no_signal_last50"]["mean"] == pytest.approx(sum(d / (d + 2) for d in dropped) / 4)
-        some_dropped |= any(dropped)
-    assert some_dropped  # the warm start answers the easiest problems right 8 times in 8
-    assert open(tmp_path / "prolonged" / "prolonged.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+        assert row["kl_mean"]["mean"] == pytest.approx(sum(r["loss/kl"] for r in records[1:]) / 4) and row["kl_mean"]["mean"] > 0
+        assert row["resets"]["mean"] == sum(1 for r in records if r.get("train/ref_reset")) == 0  # none before step 50
+    assert open(tmp_path / "resets-dose-any" / "resets-dose-any.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def two_steps(finding: str, only: str, tmp_path) -> list[tuple]:
@@ -136,42 +95,17 @@ def two_steps(finding: str, only: str, tmp_path) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_the_mastered_finding_sets_dmmpts_against_the_response_length(tmp_path):
-    """The mastered-token finding at a trivial size, three of its arms (--only): each run trains on problems of
-    its own K terms with its own tau and sigma, and the share of the covariance the mask removes is read from
-    the run's own records."""
-    variants = findings().FINDINGS["mastered"]["variants"]
-    assert {v.split("_", 1)[0] for v in variants} == {"k4", "k8", "k12"} and len(variants) == 15
-    for variant, row, config, trained in two_steps("mastered", "k4_off,k12_static_tau0.9,k12_dynamic_tau0.99",
-                                                   tmp_path):
-        k = int(variant.split("_")[0][1:])
-        assert config["data"] == config["eval_data"] == f"tiny:{k}" and config["mpt"] == variant.split("_")[1]
-        assert config["mpt_sigma"] == findings().MASTERED_SIGMA[k]
-        # a K-term problem's response: K-1 steps "t=s," and ":s" (sums of up to 108), or a few slips longer
-        assert 4 * (k - 1) + 1 <= row["response_len"]["mean"] <= 6 * k
-        cov, masked = (sum(r[key] for r in trained) / 2 for key in ("entropy/cov", "entropy/cov_masked"))
-        assert row["push_removed"]["mean"] == pytest.approx(masked / cov)
-        if config["mpt"] == "static":
-            assert config["mpt_tau"] == 0.9 and row["masked_frac"]["mean"] > 0 and masked != 0
-        if config["mpt"] == "off":
-            assert row["masked_frac"]["mean"] == 0 and masked == 0
-
-
-@pytest.mark.slow
 def test_the_sigma_finding_sets_dynamic_dmmpts_against_sigma(tmp_path):
-    """The sigma finding at a trivial size, static and one dynamic arm (--only): every run on tiny:8 at tau 0.9,
-    each dynamic one at the sigma its name gives; where the entropy settled is read against that sigma."""
-    variants = findings().FINDINGS["sigma"]["variants"]
-    assert [v for v in variants if v.startswith("dynamic")] == [f"dynamic_sigma{s}" for s in findings().SIGMA_DOSES]
-    for variant, row, config, trained in two_steps("sigma", "static,dynamic_sigma0.12", tmp_path):
-        assert config["data"] == config["eval_data"] == "tiny:8" and config["mpt_tau"] == 0.9
-        assert config["mpt"] == variant.split("_")[0]
+    """sigma-any at a trivial size, both arms: every run dynamic on the any-order warm start, each at the sigma its
+    name gives; where the entropy settled is read against that sigma."""
+    variants = findings().FINDINGS["sigma-any"]["variants"]
+    assert list(variants) == [f"dynamic_sigma{s}" for s in findings().SIGMA_ANY_DOSES]
+    for variant, row, config, trained in two_steps("sigma-any", ",".join(variants), tmp_path):
+        assert config["mpt"] == "dynamic" and config["model"].endswith("tiny_any_ckpt")
+        sigma = float(variant.rpartition("sigma")[2])
         late = sum(r["entropy/mean"] for r in trained) / 2  # both steps are the "last 20"
-        assert row["entropy_last20"]["mean"] == pytest.approx(late)
-        if config["mpt"] == "dynamic":
-            assert config["mpt_sigma"] == 0.12 and row["late_minus_sigma"]["mean"] == pytest.approx(late - 0.12)
-        else:
-            assert "late_minus_sigma" not in row
+        assert config["mpt_sigma"] == sigma and row["entropy_last20"]["mean"] == pytest.approx(late)
+        assert row["late_minus_sigma"]["mean"] == pytest.approx(late - sigma)
 
 
 @pytest.mark.slow
@@ -194,7 +128,7 @@ def test_variants_of_ones_own_over_seeds(tmp_path):
 
 
 def test_only_names_variants_of_the_finding(capsys):
-    for argv, why in ((["staleness", "--only", "pois-3seg"], "staleness has the variants tois-1seg, sais-1seg"),
+    for argv, why in ((["is-any", "--only", "pois-3seg"], "is-any has the variants tois-1seg, sais-8seg, pois-8seg"),
                       (["variants", "--variant", "a=", "--only", "a"], "--only is for a finding")):
         with pytest.raises(SystemExit):
             findings().main(argv)
