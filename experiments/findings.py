@@ -140,7 +140,7 @@ FINDINGS["dynsamp-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.A
 # answer that is not the reference. Trained on the noisy labels and on the cleaned ones (noisy_data)
 NOISY_ROWS, NOISE, NOISY_SEED = 4000, 0.3, 7
 FINDINGS["noisy-any"] = dict(steps=STEPS, common=[*PAPER_LR, "--model", tiny.ANY_CKPT, "--eval-data", "tiny"],
-                             prepare="noisy_data", variants={
+                             prepare=lambda folder: noisy_data(folder), variants={
                                  arm: ["--data", os.path.join("{folder}", f"{arm}.jsonl")]
                                  for arm in ("noisy", "cleaned")})
 # ProRL's own sampling and update settings (T 1.2, 16 samples, 4 updates a step so the 0.4 clip acts) against the
@@ -387,7 +387,10 @@ def check_tables(text: str, records: str) -> list[str]:
             computed = table_rows(runs, columns) if runs else None
         else:
             path = os.path.join(records, name + ".json")
-            computed = bench_rows(json.load(open(path)), columns) if os.path.exists(path) else None
+            computed = None
+            if os.path.exists(path):
+                with open(path) as f:
+                    computed = bench_rows(json.load(f), columns)
         if computed is None:
             problems.append(f"table of {name}: no records in {records}")
             continue
@@ -488,11 +491,11 @@ def noisy_data(folder: str) -> None:
 
 def run_all(name: str, spec: dict, seeds: list[int], root: str, extra: list[str], jobs: int) -> dict:
     """Every (seed, variant) run of a finding; returns {variant: [metrics records of each seed]}. A finding's
-    `prepare` (a function's name here) first makes what its runs read in their folder ("{folder}" in its flags)."""
+    `prepare` (a function of the folder) first makes what its runs read there ("{folder}" in its flags)."""
     folder = os.path.join(root, name)
     os.makedirs(folder, exist_ok=True)
     if "prepare" in spec:
-        globals()[spec["prepare"]](folder)
+        spec["prepare"](folder)
     steps = int(next((extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--steps"), spec["steps"]))
     extra = [a for i, a in enumerate(extra) if a != "--steps" and (i == 0 or extra[i - 1] != "--steps")]
     todo = [(os.path.join(folder, f"{v}_s{s}"),
