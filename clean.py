@@ -14,6 +14,7 @@ import registry
 import reward
 import verifiers
 from data import encode_prompt, make_row, read_objects
+from systems import workers
 
 # Sub-question markers, in order: "(a) ... (b)", "(1) ... (2)", "(i) ... (ii)", "(I) ... (II)", "Part 1 ... Part 2".
 # A marker must not follow a word or ')', so that f(a) + f(b) is not a pair of sub-questions.
@@ -88,7 +89,7 @@ def clean(args) -> dict:
         todo = [i for i in range(len(rows)) if i not in dropped]
         samples = generate(args.model, [rows[i] for i in todo], args.k, args)
         items = [(rows[i]["verifier"], text, rows[i]["answer"]) for i, texts in zip(todo, samples) for text in texts]
-        scores, _ = reward.score_batch(items, timeout=args.reward_timeout)
+        scores, _ = reward.score_batch(workers.run, items, timeout=args.reward_timeout)
         for j, i in enumerate(todo):
             if all(s == 1.0 for s in scores[j * args.k:(j + 1) * args.k]):
                 drop(i, "solved_k_of_k", f"{args.model} solved it in {args.k} of {args.k} samples")
@@ -107,7 +108,7 @@ def clean(args) -> dict:
                 continue
             written = registry.VERIFIERS[rows[i]["verifier"]].as_response.format(top)  # as a response would write it
             items = [(rows[i]["verifier"], written, rows[i]["answer"])]
-            if reward.score_batch(items, timeout=args.reward_timeout)[0][0] == 0.0:
+            if reward.score_batch(workers.run, items, timeout=args.reward_timeout)[0][0] == 0.0:
                 drop(i, "majority_disagrees", f"{votes.count(top)} of {len(models)} models answer {top!r}, "
                                               f"the reference is {rows[i]['answer']!r}")
     with open(args.out, "w") as f:

@@ -14,18 +14,20 @@ Bad rows are never skipped silently: a dataset that quietly loses half its rows 
 than the run says. Every error names the source, the row and the field.
 UloRL's data cleaning (section 3.4) is clean.py.
 """
+import ctypes
 import functools
 import json
 import math
 import os
 import random
 import sys
+import threading
+import time
 
 import registry
 import verifiers
 from registry import parse_mixture  # noqa: F401 (data.parse_mixture: a spec's sources, parsed where they are named)
 import tiny
-from systems import sandbox
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 MISSING = object()  # a dotted key that isn't there (a stored None is a value, and an error of its own)
@@ -208,9 +210,9 @@ def make_row(obj, where: str, prompt_key: str, answer_key: str, verifier_key: st
             registry.function(kind.answer_check)(answer)
         except ValueError as e:
             raise ValueError(f"{where}: field '{answer_key}' (the answer of a {verifier!r} row): {e}") from None
-    if verifier == "code" and sandbox.visible_tests(
-            "\n".join(m["content"] for m in prompt) if isinstance(prompt, list) else prompt, answer):
-        answer = json.dumps({**json.loads(answer), "full_marks": True})  # a test the prompt shows is no test alone
+    if kind.answer_given_prompt:  # e.g. code: a test the prompt shows is no test alone
+        answer = registry.function(kind.answer_given_prompt)(
+            "\n".join(m["content"] for m in prompt) if isinstance(prompt, list) else prompt, answer)
     return {"prompt": prompt, "answer": answer, "verifier": verifier, "where": where}
 
 
@@ -325,8 +327,8 @@ def read_objects(source: str, split: str = "train", limit: int | None = None) ->
 
 # A chat template is code from the model's folder (a checkpoint's, which whoever can write --out could plant),
 # run by jinja's sandbox, which keeps it from files and attributes but not from looping: nested range() loops
-# run for hours. Its rendering is bounded in time (sandbox.bounded: a watchdog thread's asynchronous exception,
-# in any thread). Cost: 0.7 us a prompt, 0.07 s over 100k rows (measured; rendering the tiny template and
+# run for hours. Its rendering is bounded in time (`bounded`: a watchdog thread's asynchronous exception, in any
+# thread). Cost: 0.7 us a prompt, 0.07 s over 100k rows (measured; rendering the tiny template and
 # tokenizing it take ~35 us), and the watchdog's 10 wake-ups a second.
 TEMPLATE_SECONDS = 10.0
 
@@ -350,9 +352,9 @@ def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     check_messages(messages, "encode_prompt")
     try:
-        text = sandbox.bounded(lambda: tokenizer.apply_chat_template(messages, tokenize=False,
-                                                                     add_generation_prompt=True), TEMPLATE_SECONDS)
-    except sandbox.TimeLimit:
+        text = bounded(lambda: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                       TEMPLATE_SECONDS)
+    except TimeLimit:
         raise ValueError(f"{template_file(tokenizer)}: its chat template ran over {TEMPLATE_SECONDS:g} s on one "
                          f"prompt (a template that loops); refused") from None
     except Exception as e:  # the template's own error (jinja's, raise_exception's): the file that holds it
@@ -360,6 +362,44 @@ def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
     # the template already wrote any BOS; letting the tokenizer add its own would double it
     return tokenizer(text, add_special_tokens=False).input_ids
+
+
+class TimeLimit(Exception):
+    pass
+
+
+_deadlines: dict[int, float] = {}  # thread id -> when its rendering must end
+_watch_lock = threading.Lock()
+_watchdog: list[threading.Thread] = []
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(0.1)
+        with _watch_lock:
+            for thread, deadline in [*_deadlines.items()]:
+                if time.monotonic() > deadline:
+                    del _deadlines[thread]
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(TimeLimit))
+
+
+def bounded(run, seconds: float):
+    """run(), stopped with TimeLimit after `seconds` in whatever thread calls it (its Python code, not a C call in
+    it): a watchdog thread raises an asynchronous exception there, delivered between bytecodes, so a loop of any
+    depth stops (SIGALRM would serve the main thread only, and --overlap draws prompts in the rollout thread)."""
+    thread = threading.get_ident()
+    with _watch_lock:
+        if not _watchdog:
+            _watchdog.append(threading.Thread(target=_watch, name="time-limit watchdog", daemon=True))
+            _watchdog[0].start()
+        _deadlines[thread] = time.monotonic() + seconds
+    try:
+        return run()
+    finally:
+        with _watch_lock:
+            fired = _deadlines.pop(thread, None) is None
+        if fired:  # raised, or still on its way: never to arrive after this call
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), None)
 
 
 # ---------------------------------------------------------------------------- Reasoning Gym and mixtures

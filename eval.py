@@ -47,6 +47,7 @@ from segment_rollout import Pools, Sample, rollout_step
 from systems import engine as engine_lib
 from systems import placement
 from systems.engine import Sampling
+from systems import workers
 
 # The papers' evaluation settings (UloRL: avg@32; ProRL: pass@1 over 16); the flags override them.
 PRESETS = {
@@ -179,7 +180,7 @@ def score(groups: list[list[Sample]], tokenizer, max_len: int, timeout: float, o
     correctness, rewards, final answers (verifiers.final_answer, for maj@k), lengths; and the reward metrics."""
     samples = [s for g in groups for s in g]
     texts = tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
-    metrics = reward.score_samples(samples, texts, max_len, overlong, overlong_buffer, timeout, judge)
+    metrics = reward.score_samples(workers.run, samples, texts, max_len, overlong, overlong_buffer, timeout, judge)
     out, i = [], 0
     for g in groups:
         recs = []

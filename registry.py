@@ -18,6 +18,7 @@ class Verifier:
     reward: str  # "module:function", (response, answer) -> a score in [0, 1]: run in a reward worker
     final: str | None = None  # "module:function", response -> its final answer (maj@k, clean.py); None: none short
     answer_check: str | None = None  # "module:function" that raises ValueError on a bad answer: the answer is JSON
+    answer_given_prompt: str | None = None  # "module:function", (prompt text, answer) -> the answer a row keeps
     from_file: bool = True  # whether a row read from a file may name it (--default-verifier's choices)
     judged: bool = False  # its reward is answer equivalence, where a generative verifier can help (reward.Judge)
     as_response: str | None = None  # a final answer written as a response its reward reads ("{}"), for clean.py
@@ -30,6 +31,7 @@ VERIFIERS = {
     "math_boxed": Verifier("verifiers:math_boxed_reward", "verifiers:math_boxed_answer", judged=True,
                            as_response="\\boxed{{{}}}", help="\\boxed{} only"),
     "code": Verifier("systems.sandbox:code_reward", answer_check="systems.sandbox:parse_tests",
+                     answer_given_prompt="systems.sandbox:answer_given_prompt",
                      help="the answer: JSON stdin/stdout tests"),
     "ifeval": Verifier("verifiers:ifeval_reward", answer_check="verifiers:check_ifeval_answer",
                        help="the answer: a JSON list of constraints"),

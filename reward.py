@@ -1,4 +1,5 @@
-"""Rewards (step 3): every finished sample's verifier score, computed in killable worker processes (systems/workers.py),
+"""Rewards (step 3): every finished sample's verifier score, its checks run by the caller's `run_checks` (the trainer,
+eval.py and clean.py pass systems/workers.py's killable worker processes: model output never runs in the trainer),
 the generative verifier's verdict where it is asked (UloRL 3.3: `Judge`), then overlong handling (UloRL gives a
 truncated sample 0, DAPO a soft penalty). Training and evaluation both score through `score_samples`. The
 verifiers themselves, one per data domain, are in verifiers.py.
@@ -9,16 +10,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 import registry
-from verifiers import MAX_ANSWER_CHARS, extract_answer, final_answer, final_text
-from verifiers import math_equal  # noqa: F401 (reward.extract_answer and reward.math_equal are public names)
-from systems import workers as pool  # score_batch's `workers` is a count
+from verifiers import MAX_ANSWER_CHARS, final_answer, final_text
+from verifiers import extract_answer, math_equal  # noqa: F401 (public names of reward too)
 
-def score_samples(samples: list, texts: list[str], max_len: int, overlong: str = "zero", overlong_buffer: int = 0,
-                  timeout: float = 5.0, judge: "Judge | None" = None, batch_timeout: float = 0.0) -> dict:
+def score_samples(run_checks, samples: list, texts: list[str], max_len: int, overlong: str = "zero",
+                  overlong_buffer: int = 0, timeout: float = 5.0, judge: "Judge | None" = None,
+                  batch_timeout: float = 0.0) -> dict:
     """Each sample's reward from its decoded text: its verifier's score, the judge's verdict where asked, then the
     overlong rule ("filter" leaves rewards alone: the update drops those samples). Returns the reward/* counts."""
     items = [(s.row["verifier"], without_prompt(s.row, t), s.row["answer"]) for s, t in zip(samples, texts)]
-    rewards, metrics = score_batch(items, timeout=timeout, batch_timeout=batch_timeout)
+    rewards, metrics = score_batch(run_checks, items, timeout=timeout, batch_timeout=batch_timeout)
     if judge is not None and samples:
         rewards, metrics["reward/judge_calls"] = judge_rewards(judge, [s.row for s in samples], texts, rewards)
     for s, r in zip(samples, rewards):
@@ -44,10 +45,11 @@ def without_prompt(row: dict, text: str) -> str:
     return text
 
 
-def score_batch(items: list[tuple[str, str, str]], timeout: float = 5.0, workers: int = 2,
+def score_batch(run_checks, items: list[tuple[str, str, str]], timeout: float = 5.0, workers: int = 2,
                 batch_timeout: float = 0.0) -> tuple[list[float], dict]:
-    """Score (verifier, response, answer) items in worker processes: one reward each, in order, and the reward/*
-    counts. A check that raises or runs past `timeout` s scores 0, as does every check left at `batch_timeout` s."""
+    """Score (verifier, response, answer) items by run_checks(tasks, timeout, workers, batch_timeout) -> (scores,
+    timeouts, errors), e.g. systems.workers.run: one reward each, in order, and the reward/* counts. A check that
+    raises or runs past `timeout` s scores 0, as does every check left at `batch_timeout` s."""
     for name in {name for name, _, _ in items}:
         if name not in registry.VERIFIERS:
             raise ValueError(f"unknown verifier {name!r}; known: {sorted(registry.VERIFIERS)}")
@@ -55,7 +57,7 @@ def score_batch(items: list[tuple[str, str, str]], timeout: float = 5.0, workers
     scores, n_timeouts, errors = [], 0, []
     if items:
         tasks = [(registry.VERIFIERS[name].reward, response, answer) for name, response, answer in items]
-        scores, n_timeouts, errors = pool.run(tasks, timeout, workers, batch_timeout)
+        scores, n_timeouts, errors = run_checks(tasks, timeout, workers, batch_timeout)
     if errors:
         warnings.warn(f"{len(errors)} of {len(items)} reward checks raised and scored 0; first: {errors[0]}")
     return scores, {"reward/timeouts": n_timeouts, "reward/errors": len(errors)}

@@ -57,9 +57,10 @@ class Rollouts:
     and into checkpoints."""
 
     def __init__(self, engine, pools: Pools, rows: list[dict], state: RunState, tokenizer, sampling: Sampling,
-                 cfg, judge: reward.Judge | None):
+                 cfg, judge: reward.Judge | None, run_checks):
         self.engine, self.pools, self.rows, self.state, self.tokenizer = engine, pools, rows, state, tokenizer
         self.sampling, self.cfg, self.judge = sampling, cfg, judge
+        self.run_checks = run_checks  # where reward checks run (reward.score_batch): train.py's killable workers
         self.too_long: set = set()  # rows known to exceed --max-prompt-len (data.draw_prompts skips them)
 
     def next(self) -> Batch:
@@ -94,7 +95,8 @@ class Rollouts:
             complete = [self.pools.pop_group(g[0].group) for g in self.pools.ready_groups(cfg.group_size)]
             samples = [s for g in complete for s in g]
             texts = self.tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
-            for k, v in reward.score_samples(samples, texts, cfg.max_response_len, cfg.overlong, cfg.overlong_buffer,
+            for k, v in reward.score_samples(self.run_checks, samples, texts, cfg.max_response_len,
+                                             cfg.overlong, cfg.overlong_buffer,
                                              cfg.reward_timeout, self.judge, cfg.reward_batch_timeout).items():
                 record[k] = record.get(k, 0) + v
             rewards += [(s.row["verifier"], s.reward) for s in samples]

@@ -44,6 +44,7 @@ from systems.routing import Routing
 from systems import placement
 from systems import plan as plan_lib
 from systems import sandbox
+from systems import workers
 from systems.engine import Sampling, SyncError
 
 
@@ -270,7 +271,7 @@ def set_up(cfg: Config) -> Run | None:
     if lead:
         sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
         kind = Overlapped if cfg.overlap else Rollouts  # --overlap 1: the next rollout decodes during the update
-        run.rollouts = kind(run.engine, pools, rows, state, tokenizer, sampling, cfg, run.judge)
+        run.rollouts = kind(run.engine, pools, rows, state, tokenizer, sampling, cfg, run.judge, workers.run)
         if resume_from:
             print(f"resumed from {resume_from} at step {state.step} (run id {run_id})", flush=True)
         run.log = logs.RunLog(cfg, out, state.step if resume_from else None)

@@ -45,7 +45,7 @@ def bench_reward(args, _unused: list[str], timeout: float = 5.0) -> dict:
         loop, loop_s = timed(lambda: [verifiers.math_reward(response, answer) for _, response, answer in items])
     finally:
         workers.IN_WORKER = False
-    score = lambda: reward.score_batch(items, timeout=timeout, workers=args.workers)
+    score = lambda: reward.score_batch(workers.run, items, timeout=timeout, workers=args.workers)
     _, cold_s = timed(score)  # includes starting the worker processes
     (pool, metrics), warm_s = timed(score)
     assert pool == loop, "the pool and the loop disagree"

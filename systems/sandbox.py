@@ -48,7 +48,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 
@@ -452,46 +451,6 @@ def refusal(source, allowed) -> str | None:
 
 # ------------------------------------------------------------------- untrusted Python run in this process
 
-class TimeLimit(Exception):
-    pass
-
-
-_deadlines: dict[int, float] = {}  # thread id -> when its rendering must end
-_watch_lock = threading.Lock()
-_watchdog: list[threading.Thread] = []
-
-
-def _watch() -> None:
-    while True:
-        time.sleep(0.1)
-        with _watch_lock:
-            for thread, deadline in [*_deadlines.items()]:
-                if time.monotonic() > deadline:
-                    del _deadlines[thread]
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
-                                                               ctypes.py_object(TimeLimit))
-
-
-def bounded(run, seconds: float):
-    """run(), stopped with TimeLimit after `seconds` in whatever thread calls it (its Python code, not a C call in
-    it): a watchdog thread raises an asynchronous exception there, delivered between bytecodes, so a loop of any
-    depth stops (SIGALRM would serve the main thread only, and --overlap draws prompts in the rollout thread)."""
-    thread = threading.get_ident()
-    with _watch_lock:
-        if not _watchdog:
-            _watchdog.append(threading.Thread(target=_watch, name="time-limit watchdog", daemon=True))
-            _watchdog[0].start()
-        _deadlines[thread] = time.monotonic() + seconds
-    try:
-        return run()
-    finally:
-        with _watch_lock:
-            fired = _deadlines.pop(thread, None) is None
-        if fired:  # raised, or still on its way: never to arrive after this call
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), None)
-
-
-
 def _names(code) -> set[str]:
     """Every global and attribute name a code object (and the functions inside it) uses."""
     names = set(code.co_names)
@@ -785,6 +744,11 @@ def visible_tests(prompt: str, answer: str) -> int:
     inputs, outputs, _, _ = parse_tests(answer)
     shown = lambda text: not text.strip() or text.strip() in prompt
     return sum(bool(out.strip()) and shown(out) and shown(stdin) for stdin, out in zip(inputs, outputs))
+
+
+def answer_given_prompt(prompt: str, answer: str) -> str:
+    """A code row's answer as it is trained on: with "full_marks" when its prompt shows a test (visible_tests)."""
+    return json.dumps({**json.loads(answer), "full_marks": True}) if visible_tests(prompt, answer) else answer
 
 
 def code_reward(response: str, answer: str) -> float:

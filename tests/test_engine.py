@@ -10,6 +10,7 @@ import torch
 from naive import PROMPTS, TOL, ids, naive_dists
 from systems import distributed
 from systems import engine as engine_lib
+from systems import workers
 from systems.engine import HFEngine, Sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -265,7 +266,8 @@ def test_a_rollout_decoded_during_the_update_keeps_its_replicas_idle_share(tok, 
     assert idle is not None
     record = {**rollouts.new_record(Pools()), "rollout/rounds": 3, "rollout/replica_idle": idle}
     cfg = parse_config(["--train-groups", "1"])
-    rollouts.Rollouts(both, Pools(), [], RunState(ready=[[]]), tok, Sampling(1.0), cfg, None).until_ready(record, [], 0)
+    roll = rollouts.Rollouts(both, Pools(), [], RunState(ready=[[]]), tok, Sampling(1.0), cfg, None, workers.run)
+    roll.until_ready(record, [], 0)
     assert record["rollout/rounds"] == 3 and record["rollout/replica_idle"] == idle
 
 

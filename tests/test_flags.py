@@ -296,7 +296,8 @@ def held_out(args, out, groups) -> dict:
 def rollout(args, out, groups) -> dict:
     """One step's rollout: what the engine and the reward workers were asked, the batch, the rewards."""
     calls, asked = [], []
-    with harness.setup(args, out) as run, spying(workers, "run", calls), spying(run.engine, "generate", asked):
+    with harness.setup(args, out) as run, spying(run.rollouts, "run_checks", calls), \
+            spying(run.engine, "generate", asked):
         batch = run.rollouts.next()
     samples = [s for g in batch.groups for s in g]
     return {"asked": [(a[1], dataclasses.astuple(a[2])) for a, _ in asked],

@@ -154,21 +154,21 @@ def test_overlong_reward():
 def test_score_batch_order_and_metrics():
     items = [("tiny", f"1,{i}:{i}", str(i if i % 3 else i + 1)) for i in range(200)]
     items += [("math", r"\boxed{\frac{1}{2}}", "0.5"), ("math", "it is 7", "8"), ("tiny", "no colon", "1")]
-    scores, metrics = score_batch(items, timeout=10.0)
+    scores, metrics = score_batch(workers.run, items, timeout=10.0)
     assert scores == [0.0 if i % 3 == 0 else 1.0 for i in range(200)] + [1.0, 0.0, 0.0]
     assert metrics == {"reward/timeouts": 0, "reward/errors": 0}
-    assert score_batch([]) == ([], {"reward/timeouts": 0, "reward/errors": 0})
+    assert score_batch(workers.run, []) == ([], {"reward/timeouts": 0, "reward/errors": 0})
 
 
 def test_score_batch_unknown_verifier():
     with pytest.raises(ValueError, match="'kode'"):
-        score_batch([("tiny", "1:1", "1"), ("kode", "print(1)", "1")])
+        score_batch(workers.run, [("tiny", "1:1", "1"), ("kode", "print(1)", "1")])
 
 
 def test_score_batch_unimportable_verifier_is_a_config_error(monkeypatch):
     monkeypatch.setitem(registry.VERIFIERS, "gone", registry.Verifier("faulty:no_such_check"))
     with pytest.raises(ValueError, match="'faulty:no_such_check' must name a module-level function"):
-        score_batch([("tiny", "1:1", "1"), ("gone", "x", "y")])
+        score_batch(workers.run, [("tiny", "1:1", "1"), ("gone", "x", "y")])
 
 
 @pytest.mark.slow
@@ -176,7 +176,7 @@ def test_score_batch_counts_errors(monkeypatch):
     register(monkeypatch, "boom", boom)
     items = [("tiny", "1:1", "1"), ("boom", "x", "y"), ("tiny", "1:2", "2"), ("boom", "z", "y")]
     with pytest.warns(UserWarning, match="2 of 4 reward checks raised.*boom on"):
-        scores, metrics = score_batch(items)
+        scores, metrics = score_batch(workers.run, items)
     assert scores == [1.0, 0.0, 1.0, 0.0]
     assert metrics == {"reward/timeouts": 0, "reward/errors": 2}
 
@@ -188,7 +188,7 @@ def test_a_score_outside_zero_to_one_is_an_error_not_a_reward(monkeypatch):
     register(monkeypatch, "number", number)
     items = [("number", x, "") for x in ("0.5", "nan", "inf", "-inf", "1e300", "-0.5", "1.0000001", "1")]
     with pytest.warns(UserWarning, match="6 of 8 reward checks raised.*not a score in \\[0, 1\\]"):
-        scores, metrics = score_batch(items)
+        scores, metrics = score_batch(workers.run, items)
     assert scores == [0.5, 0, 0, 0, 0, 0, 0, 1.0] and metrics == {"reward/timeouts": 0, "reward/errors": 6}
 
 
@@ -197,7 +197,7 @@ def test_score_batch_survives_a_dying_worker(monkeypatch):
     register(monkeypatch, "die", die)
     items = [("tiny", "1:1", "1"), ("die", "x", "y"), ("tiny", "1:2", "2"), ("tiny", "1:2", "3")]
     with pytest.warns(UserWarning, match="worker died"):
-        scores, metrics = score_batch(items)
+        scores, metrics = score_batch(workers.run, items)
     assert scores == [1.0, 0.0, 1.0, 0.0]
     assert metrics == {"reward/timeouts": 0, "reward/errors": 1}
 
@@ -209,7 +209,7 @@ def test_a_worker_left_near_its_memory_cap_is_replaced_before_the_next_check(mon
     register(monkeypatch, "resident", resident)
     items = [("hoard", "700", ""), ("resident", "", "")] * 3 + [("resident", "", "")] * 2
     workers.close_pool()  # one worker, chunks of two: each hoarder's chunk-mate moves to a fresh worker
-    scores, metrics = score_batch(items, workers=1)
+    scores, metrics = score_batch(workers.run, items, workers=1)
     checked = [score for score, (verifier, _, _) in zip(scores, items) if verifier == "resident"]
     assert all(0 < score < workers.RECYCLE_MB / workers.MEMORY_MB / 2 for score in checked), scores  # each one ran
     assert metrics == {"reward/timeouts": 0, "reward/errors": 0}
@@ -218,17 +218,17 @@ def test_a_worker_left_near_its_memory_cap_is_replaced_before_the_next_check(mon
 @pytest.mark.slow
 def test_score_batch_kills_hanging_check_and_recovers(monkeypatch):
     register(monkeypatch, "hang", hang)
-    score_batch([("tiny", "1:1", "1")] * 2, workers=2)  # start the pool outside the timed part
+    score_batch(workers.run, [("tiny", "1:1", "1")] * 2, workers=2)  # start the pool outside the timed part
     items = [("tiny", "3:3", "3"), ("hang", "x", "y"), ("math", r"\boxed{0.25}", "1/4"),
              ("tiny", "3:4", "3"), ("math", r"\boxed{2}", "3"), ("tiny", "5:5", "5")]
     items += [("tiny", f"{i}:{i}", str(i)) for i in range(34)]  # chunks of 5: the hang strands 3 items
     start = time.perf_counter()
-    scores, metrics = score_batch(items, timeout=2.0, workers=2)
+    scores, metrics = score_batch(workers.run, items, timeout=2.0, workers=2)
     assert time.perf_counter() - start < 2.0 + 3.0
     assert scores == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0] + [1.0] * 34
     assert metrics == {"reward/timeouts": 1, "reward/errors": 0}
     # the killed worker was replaced, and the pool serves the next call
-    scores, metrics = score_batch([("tiny", "1:1", "1"), ("math", r"\boxed{x=3}", "3")], timeout=10.0)
+    scores, metrics = score_batch(workers.run, [("tiny", "1:1", "1"), ("math", r"\boxed{x=3}", "3")], timeout=10.0)
     assert scores == [1.0, 1.0]
     assert metrics == {"reward/timeouts": 0, "reward/errors": 0}
     assert len(workers.POOL) == 2 and all(w.proc.is_alive() for w in workers.POOL)
@@ -240,15 +240,15 @@ def test_batch_timeout_bounds_the_whole_batch(monkeypatch):
     each other (3 rounds of 5 s on 2 workers, ~15-25 s). With batch_timeout 6 s the call returns after ~6 s;
     whatever is left scores 0 and counts as a timeout, and the pool is whole again."""
     register(monkeypatch, "hang", hang)
-    score_batch([("tiny", "1:1", "1")] * 2, workers=2)  # start the pool outside the timed part
+    score_batch(workers.run, [("tiny", "1:1", "1")] * 2, workers=2)  # start the pool outside the timed part
     items = [("hang", "x", "y") if i % 16 < 6 else ("tiny", f"{i}:{i}", str(i)) for i in range(16)]
     start = time.perf_counter()
-    scores, metrics = score_batch(items, timeout=5.0, workers=2, batch_timeout=6.0)
+    scores, metrics = score_batch(workers.run, items, timeout=5.0, workers=2, batch_timeout=6.0)
     elapsed = time.perf_counter() - start
     assert 6.0 <= elapsed < 6.0 + 2.0, elapsed
     assert scores[:6] == [0.0] * 6 and set(scores[6:]) <= {0.0, 1.0}
     assert metrics["reward/timeouts"] == 6 + scores[6:].count(0.0) and metrics["reward/errors"] == 0
-    assert score_batch([("tiny", "1:1", "1")] * 4, timeout=5.0)[0] == [1.0] * 4
+    assert score_batch(workers.run, [("tiny", "1:1", "1")] * 4, timeout=5.0)[0] == [1.0] * 4
     assert len(workers.POOL) == 2 and all(w.proc.is_alive() for w in workers.POOL)
 
 
@@ -324,7 +324,7 @@ KNOWN_MISSES = {("so the answer is \\boxed{27 cm}.", "0.27 m"), (r"\boxed{\text{
 
 def test_math_table_accuracy():
     assert len(MATH_TABLE) >= 40
-    scores, metrics = score_batch([("math", r, a) for r, a, _ in MATH_TABLE], timeout=10.0)
+    scores, metrics = score_batch(workers.run, [("math", r, a) for r, a, _ in MATH_TABLE], timeout=10.0)
     assert metrics == {"reward/timeouts": 0, "reward/errors": 0}
     misses = {(r, a) for (r, a, truth), s in zip(MATH_TABLE, scores) if (s == 1.0) != truth}
     assert misses == KNOWN_MISSES  # accuracy 44 / 47 = 93.6%; a change in either direction shows here
@@ -352,16 +352,16 @@ ADVERSARIAL = [
 
 @pytest.mark.slow
 def test_adversarial_answers_score_zero_in_time_and_the_pool_survives():
-    score_batch([("tiny", "1:1", "1")] * 2, workers=2)  # start the pool outside the timed part
+    score_batch(workers.run, [("tiny", "1:1", "1")] * 2, workers=2)  # start the pool outside the timed part
     items = [("math", r, "10") for r in ADVERSARIAL] + [("math", rf"\boxed{{{i}}}", str(i)) for i in range(20)]
     start = time.perf_counter()
-    scores, metrics = score_batch(items, timeout=2.0, workers=2)
+    scores, metrics = score_batch(workers.run, items, timeout=2.0, workers=2)
     elapsed = time.perf_counter() - start
     assert scores == [0.0] * len(ADVERSARIAL) + [1.0] * 20
     assert metrics["reward/errors"] == 0 and metrics["reward/timeouts"] <= 1  # only the exponent may time out
     assert elapsed < 2.0 * (metrics["reward/timeouts"] + 1) + 2.0
     assert len(workers.POOL) == 2 and all(w.proc.is_alive() for w in workers.POOL)
-    assert score_batch([("math", r"\boxed{\frac{1}{2}}", "0.5")])[0] == [1.0]
+    assert score_batch(workers.run, [("math", r"\boxed{\frac{1}{2}}", "0.5")])[0] == [1.0]
 
 
 # ---------------------------------------------------------------------------- Reasoning Gym and instruction following
@@ -392,7 +392,7 @@ def test_rg_reward_uses_the_library_scorer():
     near = entry["answer"] + "0"
     assert verifiers.rg_reward(f"<answer>{near}</answer>", json.dumps(entry)) == 0.0
     assert 0.0 < verifiers.rg_reward(f"<answer>{near}</answer>", json.dumps({**entry, "full_marks": False})) < 1.0
-    scores, metrics = score_batch([("rg", f"<answer>{gold}</answer>", row["answer"]), ("rg", "x", row["answer"])])
+    scores, metrics = score_batch(workers.run, [("rg", f"<answer>{gold}</answer>", row["answer"]), ("rg", "x", row["answer"])])
     assert scores == [1.0, 0.0] and metrics == {"reward/timeouts": 0, "reward/errors": 0}
 
 
@@ -411,8 +411,8 @@ def test_reasoning_gym_answers_run_no_code(tmp_path):
                "oracle_answer.split()"]
     items = [("rg", f"<answer>{a}</answer>", row) for a in attacks for row in (spiral, countdown)]
     items += [("tiny", "1,2:3", "4")]  # wrong: scores 0 unless the worker was patched
-    script = ("import json, sys\nimport reward\n"
-              "print(json.dumps(reward.score_batch(json.loads(sys.argv[1]), timeout=30, workers=1)[0]))")
+    script = ("import json, sys\nimport reward\nfrom systems import workers\n"
+              "print(json.dumps(reward.score_batch(workers.run, json.loads(sys.argv[1]), timeout=30, workers=1)[0]))")
     p = run([sys.executable, "-c", script, json.dumps(items)], timeout=300,
             env=dict(os.environ, HF_TOKEN="hf_ulorl_test_secret", PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stderr[-3000:]
@@ -443,7 +443,7 @@ def test_fixed_answers_a_policy_could_learn_score_nothing():
         items.append(("rg", f"<answer>{cheat}</answer>", row["answer"]))
     for row in data.rg_rows("rg:complex_arithmetic:4", seed=0):
         items += [("rg", f"<answer>{nan}</answer>", row["answer"]) for nan in ("nan", "NaN + nanj")]
-    scores, _ = score_batch(items, timeout=30, workers=2)
+    scores, _ = score_batch(workers.run, items, timeout=30, workers=2)
     assert scores == [0.0] * len(items), scores
 
 
@@ -461,7 +461,7 @@ def test_sympy_answers_cannot_bring_their_own_methods():
     constant = "Function('F', diff=lambda S, Q: S, __sub__=lambda S, Q: 0)(1)"
     items = [("rg", f"<answer>{equal}</answer>", a) for a in poly]
     items += [("rg", f"<answer>{constant}</answer>", a) for a in integration]
-    scores, _ = score_batch(items, timeout=30, workers=1)
+    scores, _ = score_batch(workers.run, items, timeout=30, workers=1)
     assert scores == [0.0] * len(items), scores
 
 
@@ -479,8 +479,8 @@ def test_a_poisoned_entry_runs_no_code_in_the_scorer_server():
     poisoned = json.dumps({"dataset": "n_queens", "answer": patch, "metadata": {"valid_answers": []}})
     countdown = [r["answer"] for r in data.rg_rows("rg:countdown:3", seed=0)]
     items = [("rg", "<answer>1</answer>", poisoned)] + [("rg", "<answer>1+1</answer>", a) for a in countdown]
-    script = ("import json, sys\nimport reward\n"
-              "print(json.dumps(reward.score_batch(json.loads(sys.argv[1]), timeout=30, workers=1)[0]))")
+    script = ("import json, sys\nimport reward\nfrom systems import workers\n"
+              "print(json.dumps(reward.score_batch(workers.run, json.loads(sys.argv[1]), timeout=30, workers=1)[0]))")
     p = run([sys.executable, "-c", script, json.dumps(items)], timeout=300,
             env=dict(os.environ, HF_TOKEN="hf_ulorl_test_secret", PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stderr[-3000:]
@@ -709,7 +709,7 @@ def test_score_samples_with_a_judge_loaded_by_name(judges):
                                          ("second_opinion", "yes", [1.0, 1.0, 0.0], 1),
                                          ("alone", "no", [0.0, 0.0, 0.0], 2)):
         judge = ev.load_judge(judges[reply][1], mode) if mode else None
-        metrics = reward.score_samples(samples, texts, max_len=64, judge=judge)
+        metrics = reward.score_samples(workers.run, samples, texts, max_len=64, judge=judge)
         assert [s.reward for s in samples] == expected, mode
         assert metrics.pop("reward/judge_calls", None) == calls  # math rows asked: the tiny row never is
         assert metrics == {"reward/timeouts": 0, "reward/errors": 0}
@@ -754,7 +754,7 @@ def test_math_verifier_agrees_with_math_verify_cases(tmp_path):
     assert len(cases) == 59, len(cases)
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
     alone = sum(int(verify(parse(g, config), parse(p, config))) == e for g, p, e in cases)
-    scores, metrics = score_batch([("math", p, g) for g, p, _ in cases], timeout=20.0)
+    scores, metrics = score_batch(workers.run, [("math", p, g) for g, p, _ in cases], timeout=20.0)
     ours = sum(int(s == 1.0) == e for s, (_, _, e) in zip(scores, cases))
     print(f"math-verify's cases: ulorl's math verifier {ours}/{len(cases)}, math-verify alone {alone}/{len(cases)}")
     assert metrics["reward/timeouts"] == 0
@@ -767,10 +767,10 @@ def test_public_functions_work_from_a_script_without_a_main_guard(tmp_path):
     workers must not run it again."""
     import sys
     script = tmp_path / "score.py"
-    script.write_text("import reward\nimport verifiers\n"
+    script.write_text("import reward\nimport verifiers\nfrom systems import workers\n"
                       "print('math_equal', reward.math_equal('1/2', '0.5'))\n"
                       "print('math_reward', verifiers.math_reward(r'so \\boxed{\\frac{1}{2}}', '0.5'))\n"
-                      "print('score_batch', reward.score_batch([('tiny', '4=7:7', '7'), ('math', '0.25', '1/4')])[0])\n")
+                      "print('score_batch', reward.score_batch(workers.run, [('tiny', '4=7:7', '7'), ('math', '0.25', '1/4')])[0])\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = run([sys.executable, str(script)], timeout=120, env=dict(os.environ, PYTHONPATH=root), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -786,9 +786,9 @@ def test_a_math_bomb_hits_the_workers_memory_cap_not_the_machine():
     script = ("import time, reward\nfrom systems import workers\n"
               "workers.MEMORY_MB = 256\n"
               "t = time.time()\n"
-              "scores, metrics = reward.score_batch([('math', r'\\boxed{2^{2^{2^{2^{2^{2}}}}}}', '1')], timeout=60)\n"
+              "scores, metrics = reward.score_batch(workers.run, [('math', r'\\boxed{2^{2^{2^{2^{2^{2}}}}}}', '1')], timeout=60)\n"
               "print(scores, metrics['reward/errors'], metrics['reward/timeouts'], round(time.time() - t))\n"
-              "print(reward.score_batch([('math', r'\\boxed{2}', '2')], timeout=60)[0])  # the pool still works\n")
+              "print(reward.score_batch(workers.run, [('math', r'\\boxed{2}', '2')], timeout=60)[0])  # the pool still works\n")
     proc = run([sys.executable, "-W", "ignore", "-c", script], timeout=120, env=dict(os.environ, PYTHONPATH=root))
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = proc.stdout.splitlines()
@@ -907,7 +907,7 @@ def test_answers_that_take_seconds_to_compare_score_nothing_before_the_timeout()
     items += [("math", rf"\boxed{{{a}}}", g) for a, g in [
         ("2^{2023}-1", "2^{2023}-1"), ("10^{1000}", "10^{1000}"), ("100!", "100!"), ("(1+x)^{2}", "1+2x+x^2"),
         (r"\binom{10}{3}", "120"), (r"\sum_{k=1}^{10} k", "55"), ("e^{-x^2}", "e^{-x^2}"), ("9^{9^{9}}", "9^{9^{9}}")]]
-    scores, metrics = score_batch(items, timeout=3.0, workers=2)
+    scores, metrics = score_batch(workers.run, items, timeout=3.0, workers=2)
     assert scores == [0.0] * len(BOMBS) + [1.0] * 8 and metrics["reward/timeouts"] == 0, (scores, metrics)
     import sympy
     from math_verify import parse
@@ -973,7 +973,7 @@ def test_answers_built_from_the_prompt_earn_nothing():
     for row in data.rg_rows("rg:puzzle24:4", seed=1):
         numbers = json.loads(row["answer"])["metadata"]["numbers"]
         items += [("rg", f"<answer>{e}</answer>", row["answer"]) for e in verifiers.near_expressions(numbers, 24)]
-    scores, metrics = score_batch(items, timeout=60, workers=2)
+    scores, metrics = score_batch(workers.run, items, timeout=60, workers=2)
     assert len(items) > 30 and scores == [0.0] * len(items), [(i[1][:60], s) for i, s in zip(items, scores) if s]
     assert metrics["reward/timeouts"] == 0
 
@@ -991,5 +991,5 @@ def test_an_instruction_following_response_earns_nothing_for_the_prompt_it_repea
     for p in (prompt, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]):
         samples = [Sample(i, 0, [1], {"prompt": p, "answer": answer, "verifier": "ifeval"}, tokens=[1], finish="eos")
                    for i in range(len(responses))]
-        reward.score_samples(samples, responses, max_len=100)
+        reward.score_samples(workers.run, samples, responses, max_len=100)
         assert [s.reward for s in samples] == [0.0, 0.0, 0.0, 1.0, 1.0], p

@@ -10,6 +10,7 @@ import torch
 import reward
 from naive import PROMPTS, TOL, ids, make_row, naive_logprobs
 from segment_rollout import Pools, Sample, rollout_step
+from systems import workers
 from systems.engine import Engine, HFEngine, Sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -132,7 +133,7 @@ def test_truncated_sample_scores_zero(tok):
     def run(overlong):
         samples = [make(body, "truncated", 0), make(body + [eos], "eos", 1), make(ids(tok, "7,13:13") + [eos], "eos", 2)]
         texts = tok.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
-        reward.score_samples(samples, texts, max_len=7, overlong=overlong)
+        reward.score_samples(workers.run, samples, texts, max_len=7, overlong=overlong)
         return [s.reward for s in samples]
 
     assert run("zero") == [0.0, 1.0, 0.0]  # UloRL: truncated scores 0 (the default)
@@ -151,7 +152,8 @@ def test_the_overlong_penalty_counts_response_tokens_on_each_side_of_its_buffer(
     def rewards(overlong, lengths, finish="eos"):
         samples = [Sample(i, i, prompt, row, tokens=[tok.eos_token_id] * n,
                           finish="truncated" if finish == "truncated" and n == 12 else "eos") for i, n in enumerate(lengths)]
-        reward.score_samples(samples, [":66"] * len(samples), 12, overlong, 4)  # every text right: 1 before the rule
+        # every text right: 1 before the rule
+        reward.score_samples(workers.run, samples, [":66"] * len(samples), 12, overlong, 4)
         return [s.reward for s in samples]
 
     assert rewards("soft", [7, 8, 9, 11]) == [1.0, 1.0, 0.75, 0.25]
@@ -192,7 +194,8 @@ def rounds(tok, lm):
                                "--data", "tiny:12"])
     pools, state = Pools(), ulorl.RunState()
     engine = Recording(HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=0), pools, state)
-    roll = rollouts.Rollouts(engine, pools, tiny.make_rows(200, 0, 12), state, tok, Sampling(1.0), cfg, None)
+    roll = rollouts.Rollouts(engine, pools, tiny.make_rows(200, 0, 12), state, tok, Sampling(1.0), cfg, None,
+                             workers.run)
     trained, steps = [], []
     for _ in range(6):
         before = len(state.ready)
@@ -262,7 +265,8 @@ def test_a_round_the_engine_fails_is_retried_with_every_sample_it_held(tok, lm):
     pools, state = Pools(), ulorl.RunState()
     engine = FailsOnce(HFEngine(lm, [tok.eos_token_id], tok.pad_token_id, seed=0), pools)
     engine.failed = 0
-    roll = rollouts.Rollouts(engine, pools, tiny.make_rows(50, 0, 12), state, tok, Sampling(1.0), cfg, None)
+    roll = rollouts.Rollouts(engine, pools, tiny.make_rows(50, 0, 12), state, tok, Sampling(1.0), cfg, None,
+                             workers.run)
     trained = [s for _ in range(3) for g in roll.next().groups for s in g]
     assert engine.failed
     failed, retry = (engine.calls[engine.failed + i]["keys"] for i in (-1, 0))
@@ -284,5 +288,5 @@ def test_an_overlapped_batch_probes_when_no_trained_token_is_of_the_current_weig
     ahead = rollouts.Prefetched({**rollouts.new_record(Pools()), "rollout/rounds": 1}, [], 0)
     state = RunState(version=1, ready=[[sample]], prefetched=ahead)
     cfg = parse_config(["--train-groups", "1", "--overlap", "1", "--engine", "hf"])
-    batch = rollouts.Overlapped(None, Pools(), [], state, None, Sampling(1.0), cfg, None).next()
+    batch = rollouts.Overlapped(None, Pools(), [], state, None, Sampling(1.0), cfg, None, workers.run).next()
     assert batch.groups == [[sample]] and batch.probing is probing and batch.record["staleness/engine_lag"] == 1

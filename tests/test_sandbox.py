@@ -22,6 +22,7 @@ from conftest import run
 import reward
 import verifiers
 from systems import sandbox
+from systems import workers
 from systems.sandbox import code_reward, extract_code, run_program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,7 +126,7 @@ def test_environment_secrets_are_not_inherited(monkeypatch):
     r = run_program(code)
     assert r.status == "ok" and secret not in r.stdout, r.stdout[:500]
     answer = json.dumps({"inputs": [""], "outputs": [secret]})
-    assert code_reward(fenced(f"import os\nprint(os.environ.get('ULORL_TEST_SECRET', ''))"), answer) == 0.0
+    assert code_reward(fenced("import os\nprint(os.environ.get('ULORL_TEST_SECRET', ''))"), answer) == 0.0
 
 
 def test_no_network_connection_reaches_a_local_listener():
@@ -154,7 +155,7 @@ def test_code_verifier_runs_in_the_reward_workers():
              ("code", fenced("import os\nwhile True: os.fork()"), ONE_TEST), ("code", "no code", ADD_ONE),
              ("code", fenced("print('ok')"), "not json")]
     with pytest.warns(UserWarning, match="1 of 5 reward checks raised"):
-        scores, metrics = reward.score_batch(items, timeout=10.0)
+        scores, metrics = reward.score_batch(workers.run, items, timeout=10.0)
     assert scores == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert metrics == {"reward/timeouts": 0, "reward/errors": 1}
 
@@ -177,7 +178,8 @@ def test_program_dies_with_a_reward_worker_killed_for_its_timeout():
     # must kill the program with it (PR_SET_PDEATHSIG), or it would sleep on after the step
     slow = json.dumps({"inputs": [""], "outputs": ["ok"], "timeout": 30})
     start = time.monotonic()
-    scores, metrics = reward.score_batch([("code", fenced("import time\ntime.sleep(30)"), slow)], timeout=1.0)
+    items = [("code", fenced("import time\ntime.sleep(30)"), slow)]
+    scores, metrics = reward.score_batch(workers.run, items, timeout=1.0)
     assert scores == [0.0] and metrics["reward/timeouts"] == 1 and time.monotonic() - start < 5.0
     time.sleep(0.5)
     assert sandboxed_pids() == []
@@ -537,10 +539,10 @@ def test_sympy_answers_that_evaluate_for_seconds_score_nothing_in_time():
     integration = data.rg_rows("rg:simple_integration:2", seed=0)
     items = [("rg", f"<answer>{a}</answer>", row["answer"]) for row in poly
              for a in ("9**9**9", "factorial(10**9)", "x**(10**10)")]
-    items += [("rg", f"<answer>x**(10**10)</answer>", row["answer"]) for row in integration]
+    items += [("rg", "<answer>x**(10**10)</answer>", row["answer"]) for row in integration]
     golds = [("rg", f"<answer>{json.loads(row['answer'])['answer']}</answer>", row["answer"]) for row in poly + integration]
     start = time.monotonic()
-    scores, metrics = reward.score_batch(items + golds, timeout=5.0, workers=2)
+    scores, metrics = reward.score_batch(workers.run, items + golds, timeout=5.0, workers=2)
     assert scores == [0.0] * len(items) + [1.0] * len(golds) and metrics["reward/timeouts"] == 0, (scores, metrics)
     assert time.monotonic() - start < 30, "a check ran for seconds"
 
@@ -559,7 +561,7 @@ def test_a_program_printing_what_the_prompt_shows_earns_nothing(tmp_path):
     assert "full_marks" not in json.loads(hidden["answer"])
     items = [("code", fenced(program), row["answer"]) for row in (shown, hidden)
              for program in ("print(4)", "print(int(input()) + 1)")]
-    scores, metrics = reward.score_batch(items, timeout=20)
+    scores, metrics = reward.score_batch(workers.run, items, timeout=20)
     assert scores == [0.0, 1.0, 0.5, 1.0] and metrics["reward/errors"] == 0, (scores, metrics)
     with pytest.raises(ValueError, match="'full_marks' must be true or false"):
         sandbox.parse_tests(json.dumps({**tests, "full_marks": "yes"}))
