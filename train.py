@@ -384,7 +384,7 @@ def cli() -> None:
         main(FLAGS or parse_config(description=__doc__))
     except SyncError as e:  # the sync's threads may wait in a broadcast for good: exit without them
         print(f"error: {e}", file=sys.stderr, flush=True)
-        reward.pool.close_pool()
+        workers.close_pool()
         os._exit(1)  # under torchrun, the other ranks (in the sync's gathers) are ended by its agent
     except (ValueError, FileNotFoundError) as e:  # a user's mistake (a data row, an --out, a file): the message says it
         sys.exit(f"error: {e}")

@@ -80,6 +80,29 @@ def test_a_wrong_flag_stops_before_anything_loads():
     assert not os.path.exists("/nonexistent/never/written")
 
 
+SYNC_FAILS = """import sys, train
+from systems import workers
+from systems.engine import SyncError
+workers.close_pool = lambda: print("workers killed", flush=True)
+def main(cfg):
+    raise SyncError("the weight sync failed: no tensor moved for 5 s")
+train.main = main
+try:
+    train.cli()
+finally:  # train.cli ends the process with os._exit: reached only when it did not
+    print("cli returned", file=sys.stderr)
+"""
+
+
+def test_a_failed_weight_sync_ends_the_process_in_one_line_with_its_workers_killed():
+    """train.cli's way out of a sync whose threads may wait for good: the cause in one line, the reward workers
+    killed (atexit handlers do not run after os._exit), exit status 1, no traceback."""
+    p = run([sys.executable, "-c", SYNC_FAILS], timeout=120)
+    assert p.returncode == 1 and "Traceback" not in p.stderr and "cli returned" not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.count("error: the weight sync failed: no tensor moved for 5 s") == 1, p.stderr[-3000:]
+    assert p.stdout.splitlines() == ["workers killed"], p.stdout
+
+
 # ----------------------------------------------------------------------------------- output folders
 
 def digest(folder) -> dict:
